@@ -1,0 +1,15 @@
+"""lorasync: push freshly trained LoRA adapters into running inference engines.
+
+The top-level API is small on purpose: :class:`Adapter` (the canonical adapter), the exporters
+(:mod:`lorasync.exporters`), engine clients (:mod:`lorasync.engines`), ``publish_adapter`` and
+:class:`Publisher`. Every error is a :class:`lorasync.errors.LoraSyncError`.
+"""
+
+from lorasync._adapter import Adapter
+from lorasync._config import AdapterConfig
+from lorasync._retry import RetryPolicy
+from lorasync.errors import LoraSyncError
+
+__version__ = "0.1.0"
+
+__all__ = ["Adapter", "AdapterConfig", "LoraSyncError", "RetryPolicy", "__version__"]

@@ -1,0 +1,262 @@
+"""Adapter: the canonical in-memory LoRA adapter every exporter produces and every transport
+consumes.
+
+Tensors use PEFT's on-disk keys (``base_model.model.<module>.lora_A.weight`` ``[r, in]`` and
+``.lora_B.weight`` ``[out, r]``); the config is an :class:`AdapterConfig`. Construction
+validates everything an engine would otherwise reject late or, worse, serve wrongly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from types import MappingProxyType
+
+import torch
+
+from lorasync._config import AdapterConfig, leaf_names
+from lorasync._keys import parse_peft_key, peft_key
+from lorasync.errors import (
+    AdapterError,
+    DtypeMismatchError,
+    MissingPairError,
+    NonFiniteError,
+    ShapeMismatchError,
+    StorageError,
+)
+
+__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "Adapter"]
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+class Adapter:
+    """A validated LoRA adapter: PEFT-keyed tensors plus their config.
+
+    Args:
+        tensors (`Mapping[str, torch.Tensor]`):
+            PEFT keys to tensors. Every module needs both ``lora_A`` ``[r_m, in]`` and
+            ``lora_B`` ``[out, r_m]``; all tensors share one floating dtype.
+        config (`AdapterConfig`):
+            Hyper-parameters. ``target_modules`` defaults to the leaf names of the tensors.
+        check_finite (`bool`, *optional*, defaults to `False`):
+            Also reject NaN/inf (one pass over the data).
+
+    Raises:
+        InvalidKeyError, MissingPairError, ShapeMismatchError, DtypeMismatchError,
+        NonFiniteError: naming the offending key.
+    """
+
+    __slots__ = ("_config", "_hash", "_modules", "_tensors")
+
+    def __init__(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        config: AdapterConfig,
+        *,
+        check_finite: bool = False,
+    ) -> None:
+        if not tensors:
+            raise AdapterError("an adapter needs at least one lora_A/lora_B pair; got no tensors")
+        modules: dict[str, dict[str, torch.Tensor]] = {}
+        for key, tensor in tensors.items():
+            module, side = parse_peft_key(key)
+            if not isinstance(tensor, torch.Tensor):
+                raise AdapterError(f"{key}: expected a torch.Tensor, got {type(tensor).__name__}", key=key)
+            modules.setdefault(module, {})[side] = tensor
+        if not config.target_modules:
+            config = config.with_(target_modules=leaf_names(modules))
+        _validate(modules, config, check_finite=check_finite)
+        self._modules = {m: modules[m] for m in sorted(modules)}
+        self._tensors = MappingProxyType(
+            {peft_key(m, s): pair[s] for m, pair in self._modules.items() for s in ("A", "B")}
+        )
+        self._config = config
+        self._hash: str | None = None
+
+    # -- views ----------------------------------------------------------------------------
+
+    @property
+    def tensors(self) -> Mapping[str, torch.Tensor]:
+        """Read-only PEFT key → tensor mapping, sorted by module."""
+        return self._tensors
+
+    @property
+    def config(self) -> AdapterConfig:
+        return self._config
+
+    @property
+    def modules(self) -> tuple[str, ...]:
+        """Module paths (``model.layers.0.self_attn.q_proj`` ...), sorted."""
+        return tuple(self._modules)
+
+    def pair(self, module: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(lora_A, lora_B)`` of ``module``."""
+        entry = self._modules[module]
+        return entry["A"], entry["B"]
+
+    def delta(self, module: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """ΔW = scale · B · A of ``module`` in ``dtype`` (PEFT's per-module scale)."""
+        a, b = self.pair(module)
+        return (b.to(dtype) @ a.to(dtype)) * self._config.scale_for(module)
+
+    @property
+    def engine_safe_scaling(self) -> bool:
+        """True when every engine applies PEFT's scale: no rsLoRA and every module's
+        alpha_m/r_m equals the global lora_alpha/r (see ``normalize_scaling``)."""
+        cfg = self._config
+        return not cfg.use_rslora and all(cfg.scale_for(m) == cfg.global_scale for m in self._modules)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(iter(self._tensors.values())).dtype
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of tensor data (what a transport moves, headers excluded)."""
+        return sum(t.numel() * t.element_size() for t in self._tensors.values())
+
+    @property
+    def content_hash(self) -> str:
+        """SHA-256 over config, keys, dtypes, shapes and bytes; independent of dict order and
+        device, so an unchanged adapter is recognised wherever it lives."""
+        if self._hash is None:
+            h = hashlib.sha256()
+            h.update(json.dumps(self._config.to_dict(), sort_keys=True).encode())
+            for key, tensor in self._tensors.items():
+                cpu = tensor.detach().to("cpu").contiguous()
+                h.update(f"\0{key}\0{cpu.dtype}\0{tuple(cpu.shape)}\0".encode())
+                h.update(cpu.reshape(-1).view(torch.uint8).numpy().tobytes())
+            self._hash = h.hexdigest()
+        return self._hash
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def __repr__(self) -> str:
+        return (
+            f"Adapter(modules={len(self._modules)}, r={self._config.r}, "
+            f"alpha={self._config.lora_alpha}, dtype={self.dtype}, nbytes={self.nbytes})"
+        )
+
+    # -- transforms -----------------------------------------------------------------------
+
+    def to(self, *, dtype: torch.dtype | None = None, device: str | torch.device | None = None) -> Adapter:
+        """A copy with tensors cast/moved (same config)."""
+        tensors = {k: t.to(device=device, dtype=dtype) for k, t in self._tensors.items()}
+        return Adapter(tensors, self._config)
+
+    # -- PEFT on-disk format ----------------------------------------------------------------
+
+    def save(self, directory: str | os.PathLike[str]) -> Path:
+        """Write ``adapter_model.safetensors`` and ``adapter_config.json`` into ``directory``.
+
+        The config is written by PEFT's own ``LoraConfig.save_pretrained``, so
+        ``PeftModel.from_pretrained(base, directory)`` loads it.
+
+        Returns:
+            `Path`: the directory.
+
+        Raises:
+            StorageError: the directory cannot be written.
+        """
+        from safetensors.torch import save_file
+
+        path = Path(directory)
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            tensors = {k: t.detach().to("cpu").contiguous() for k, t in self._tensors.items()}
+            save_file(tensors, str(path / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+            self._config.to_peft().save_pretrained(str(path))
+        except OSError as exc:
+            raise StorageError(f"cannot write adapter to {path}: {exc}; check the path and free space") from exc
+        return path
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike[str], *, check_finite: bool = False) -> Adapter:
+        """Read an adapter saved by :meth:`save` or by PEFT ``save_pretrained``.
+
+        Only ``adapter_model.safetensors`` is read (never pickle); PEFT's ``.default`` key
+        suffix is tolerated.
+
+        Raises:
+            StorageError: files missing or unreadable.
+            AdapterError: content that fails validation.
+        """
+        from peft import LoraConfig
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        from lorasync._keys import normalize_trainer_key
+
+        path = Path(directory)
+        weights, cfg = path / ADAPTER_WEIGHTS, path / ADAPTER_CONFIG
+        if not weights.is_file() or not cfg.is_file():
+            raise StorageError(
+                f"{path} holds no PEFT adapter: expected {ADAPTER_WEIGHTS} and {ADAPTER_CONFIG}"
+            )
+        try:
+            raw = load_file(str(weights))
+        except (OSError, SafetensorError) as exc:
+            raise StorageError(f"cannot read {weights}: {exc}") from exc
+        tensors: dict[str, torch.Tensor] = {}
+        for key, tensor in raw.items():
+            parsed = normalize_trainer_key(key)
+            if parsed is None:
+                parse_peft_key(key)  # raises InvalidKeyError naming the key
+                raise AssertionError("unreachable")
+            tensors[peft_key(*parsed)] = tensor
+        config = AdapterConfig.from_peft(LoraConfig.from_pretrained(str(path)))
+        return cls(tensors, config, check_finite=check_finite)
+
+
+def _validate(modules: Mapping[str, Mapping[str, torch.Tensor]], config: AdapterConfig, *, check_finite: bool) -> None:
+    dtype: torch.dtype | None = None
+    first_key = ""
+    for module, pair in modules.items():
+        for side in ("A", "B"):
+            if side not in pair:
+                other = "B" if side == "A" else "A"
+                raise MissingPairError(
+                    f"{peft_key(module, other)} has no matching {peft_key(module, side)}; "
+                    "export both factors of every module",
+                    key=peft_key(module, side),
+                )
+        a, b = pair["A"], pair["B"]
+        for side, t in (("A", a), ("B", b)):
+            key = peft_key(module, side)
+            if t.dim() != 2:
+                raise ShapeMismatchError(f"{key} must be 2-D, got shape {tuple(t.shape)}", key=key)
+            if not t.is_floating_point():
+                raise DtypeMismatchError(f"{key} has non-floating dtype {t.dtype}", key=key)
+            if dtype is None:
+                dtype, first_key = t.dtype, key
+            elif t.dtype != dtype:
+                raise DtypeMismatchError(
+                    f"{key} is {t.dtype} but {first_key} is {dtype}; cast the adapter to one dtype "
+                    "(Adapter.to(dtype=...))",
+                    key=key,
+                )
+            if check_finite and not bool(torch.isfinite(t).all()):
+                raise NonFiniteError(f"{key} holds NaN or inf; the trainer diverged or the export is corrupt", key=key)
+        rank = config.rank_for(module)
+        if a.shape[0] != rank or b.shape[1] != rank:
+            raise ShapeMismatchError(
+                f"{module}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not match rank {rank}; "
+                "set r (or rank_pattern) to the trained rank, or trim padding with trim_rank()",
+                key=peft_key(module, "A"),
+            )
+        leaf = module.rsplit(".", 1)[-1]
+        if config.target_modules and leaf not in config.target_modules and module not in config.target_modules:
+            raise ShapeMismatchError(
+                f"{module} is not covered by target_modules {list(config.target_modules)}; "
+                "add its leaf name or leave target_modules empty to derive it",
+                key=peft_key(module, "A"),
+            )

@@ -1,0 +1,169 @@
+"""AdapterConfig: the one source of truth for an adapter's LoRA hyper-parameters.
+
+It maps one-to-one onto PEFT's ``LoraConfig`` (which writes ``adapter_config.json``), and knows
+each module's effective rank and scale the way PEFT computes them (rank/alpha patterns, rsLoRA).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import Any
+
+from lorasync.errors import ConfigError
+
+__all__ = ["AdapterConfig"]
+
+
+def _frozen(mapping: Mapping[str, Any] | None) -> Mapping[str, Any]:
+    return MappingProxyType(dict(sorted((mapping or {}).items())))
+
+
+@dataclass(frozen=True)
+class AdapterConfig:
+    """LoRA hyper-parameters of one adapter (what ``adapter_config.json`` holds)."""
+
+    r: int = field(metadata={"help": "Default LoRA rank (PEFT `r`)."})
+    lora_alpha: float = field(metadata={"help": "Default alpha; scale is alpha/r (or alpha/sqrt(r))."})
+    target_modules: tuple[str, ...] = field(
+        default=(), metadata={"help": "Module leaf names the adapter targets (sorted, unique)."}
+    )
+    use_rslora: bool = field(default=False, metadata={"help": "Scale by alpha/sqrt(r)."})
+    base_model_name_or_path: str | None = field(
+        default=None, metadata={"help": "Base model id or path the adapter belongs to."}
+    )
+    rank_pattern: Mapping[str, int] = field(
+        default_factory=dict, metadata={"help": "Per-module rank overrides (PEFT semantics)."}
+    )
+    alpha_pattern: Mapping[str, float] = field(
+        default_factory=dict, metadata={"help": "Per-module alpha overrides (PEFT semantics)."}
+    )
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.r, int) or isinstance(self.r, bool) or self.r <= 0:
+            raise ConfigError(f"r must be a positive int, got {self.r!r}")
+        if not isinstance(self.lora_alpha, (int, float)) or not math.isfinite(self.lora_alpha):
+            raise ConfigError(f"lora_alpha must be a finite number, got {self.lora_alpha!r}")
+        if self.lora_alpha <= 0:
+            raise ConfigError(f"lora_alpha must be > 0, got {self.lora_alpha!r}")
+        targets = self.target_modules
+        if isinstance(targets, str):
+            targets = (targets,)
+        object.__setattr__(self, "target_modules", tuple(sorted(set(targets))))
+        object.__setattr__(self, "rank_pattern", _frozen(self.rank_pattern))
+        object.__setattr__(self, "alpha_pattern", _frozen(self.alpha_pattern))
+        for key, rank in self.rank_pattern.items():
+            if not isinstance(rank, int) or rank <= 0:
+                raise ConfigError(f"rank_pattern[{key!r}] must be a positive int, got {rank!r}")
+        for key, alpha in self.alpha_pattern.items():
+            if not isinstance(alpha, (int, float)) or not alpha > 0:
+                raise ConfigError(f"alpha_pattern[{key!r}] must be > 0, got {alpha!r}")
+
+    # -- per-module values, as PEFT computes them ------------------------------------------
+
+    def rank_for(self, module: str) -> int:
+        """Effective rank of ``module`` (``rank_pattern`` matched like PEFT)."""
+        key = _pattern_key(self.rank_pattern, module)
+        return int(self.rank_pattern[key]) if key is not None else self.r
+
+    def alpha_for(self, module: str) -> float:
+        """Effective alpha of ``module`` (``alpha_pattern`` matched like PEFT)."""
+        key = _pattern_key(self.alpha_pattern, module)
+        return float(self.alpha_pattern[key]) if key is not None else float(self.lora_alpha)
+
+    def scale_for(self, module: str) -> float:
+        """PEFT's ``scaling`` for ``module``: alpha_m / r_m, or alpha_m / sqrt(r_m) with rsLoRA."""
+        rank = self.rank_for(module)
+        denom = math.sqrt(rank) if self.use_rslora else rank
+        return self.alpha_for(module) / denom
+
+    @property
+    def global_scale(self) -> float:
+        """The single scale engines without pattern support apply to every module."""
+        return self.lora_alpha / (math.sqrt(self.r) if self.use_rslora else self.r)
+
+    @property
+    def is_uniform(self) -> bool:
+        """True when every engine computes the same scale as PEFT (no patterns, no rsLoRA)."""
+        return not self.rank_pattern and not self.alpha_pattern and not self.use_rslora
+
+    def with_(self, **changes: Any) -> AdapterConfig:
+        """A copy with ``changes`` applied (validated again)."""
+        return replace(self, **changes)
+
+    # -- PEFT and JSON round trips ---------------------------------------------------------
+
+    def to_peft(self) -> Any:
+        """PEFT's ``LoraConfig`` for this adapter (what ``save_pretrained`` writes)."""
+        from peft import LoraConfig
+
+        return LoraConfig(
+            r=self.r,
+            lora_alpha=self.lora_alpha,
+            target_modules=list(self.target_modules),
+            use_rslora=self.use_rslora,
+            rank_pattern=dict(self.rank_pattern),
+            alpha_pattern=dict(self.alpha_pattern),
+            base_model_name_or_path=self.base_model_name_or_path,
+            lora_dropout=0.0,
+            bias="none",
+            task_type="CAUSAL_LM",
+            inference_mode=True,
+        )
+
+    @classmethod
+    def from_peft(cls, config: Any) -> AdapterConfig:
+        """Build from a PEFT ``LoraConfig`` (or its dict form).
+
+        Raises:
+            ConfigError: features no engine-bound adapter may carry (DoRA, bias, modules_to_save).
+        """
+        data = config if isinstance(config, Mapping) else config.to_dict()
+        if data.get("use_dora"):
+            raise ConfigError("DoRA adapters are not supported by vLLM or SGLang; train plain LoRA")
+        if data.get("bias", "none") != "none" or data.get("lora_bias"):
+            raise ConfigError("LoRA bias is not supported by inference engines; set bias='none'")
+        if data.get("modules_to_save"):
+            raise ConfigError(
+                "modules_to_save would send full module copies as adapter weights, which engines "
+                "reject; publish them through the merged transport or drop them"
+            )
+        targets = data.get("target_modules") or ()
+        if isinstance(targets, str):
+            targets = (targets,)
+        return cls(
+            r=int(data["r"]),
+            lora_alpha=data["lora_alpha"],
+            target_modules=tuple(targets),
+            use_rslora=bool(data.get("use_rslora", False)),
+            base_model_name_or_path=data.get("base_model_name_or_path"),
+            rank_pattern=data.get("rank_pattern") or {},
+            alpha_pattern=data.get("alpha_pattern") or {},
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "r": self.r,
+            "lora_alpha": self.lora_alpha,
+            "target_modules": list(self.target_modules),
+            "use_rslora": self.use_rslora,
+            "base_model_name_or_path": self.base_model_name_or_path,
+            "rank_pattern": dict(self.rank_pattern),
+            "alpha_pattern": dict(self.alpha_pattern),
+        }
+
+
+def _pattern_key(patterns: Mapping[str, Any], module: str) -> str | None:
+    if not patterns:
+        return None
+    from peft.utils.other import get_pattern_key
+
+    key = get_pattern_key(list(patterns), module)
+    return key if key in patterns else None
+
+
+def leaf_names(modules: Iterable[str]) -> tuple[str, ...]:
+    """Sorted unique last segments of module paths (PEFT ``target_modules`` style)."""
+    return tuple(sorted({m.rsplit(".", 1)[-1] for m in modules}))

@@ -1,0 +1,97 @@
+"""RetryPolicy: which failures are retried and how long to wait, as an immutable value.
+
+The policy decides; tenacity executes (``policy.retrying()`` / ``policy.async_retrying()``).
+Connection errors, timeouts and 502/503/504 are retried with bounded, jittered exponential
+backoff; every 4xx and any other status is final. Tests exercise the decisions with no I/O.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import tenacity
+
+from lorasync.errors import ConfigError
+
+__all__ = ["RetryPolicy", "RetryableStatus"]
+
+
+class RetryableStatus(Exception):
+    """Raised inside an attempt when the engine answered a retryable status."""
+
+    def __init__(self, response: httpx.Response) -> None:
+        super().__init__(f"HTTP {response.status_code}")
+        self.response = response
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How an engine client retries one request.
+
+    Args:
+        attempts: total tries including the first (1 = no retry).
+        backoff: first wait in seconds; doubles each retry.
+        backoff_max: cap of one wait.
+        jitter: up to this many seconds of random wait added to each.
+        statuses: HTTP statuses retried (never 4xx).
+    """
+
+    attempts: int = 4
+    backoff: float = 0.05
+    backoff_max: float = 2.0
+    jitter: float = 0.05
+    statuses: frozenset[int] = field(default_factory=lambda: frozenset({502, 503, 504}))
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1:
+            raise ConfigError(f"attempts must be >= 1, got {self.attempts}")
+        if self.backoff < 0 or self.backoff_max < 0 or self.jitter < 0:
+            raise ConfigError("backoff, backoff_max and jitter must be >= 0")
+        bad = sorted(s for s in self.statuses if 400 <= s < 500)
+        if bad:
+            raise ConfigError(f"4xx statuses are never retried (a retry cannot fix the request): {bad}")
+        object.__setattr__(self, "statuses", frozenset(self.statuses))
+
+    @classmethod
+    def from_value(cls, value: RetryPolicy | int | None) -> RetryPolicy:
+        """Normalise ``retries=`` arguments: a policy, a number of retries, or None (default)."""
+        if value is None:
+            return cls()
+        if isinstance(value, RetryPolicy):
+            return value
+        if isinstance(value, int) and not isinstance(value, bool):
+            return cls(attempts=value + 1)
+        raise ConfigError(f"retries must be a RetryPolicy, an int or None, got {value!r}")
+
+    def should_retry(self, error: BaseException) -> bool:
+        """True when a failed attempt may be tried again."""
+        if isinstance(error, RetryableStatus):
+            return error.response.status_code in self.statuses
+        return isinstance(error, (httpx.TransportError,)) and not isinstance(error, httpx.UnsupportedProtocol)
+
+    def should_retry_status(self, status: int) -> bool:
+        return status in self.statuses
+
+    def wait(self, retry_number: int, rng: random.Random | None = None) -> float:
+        """Seconds to wait before retry ``retry_number`` (1-based)."""
+        base = min(self.backoff_max, self.backoff * (2 ** (retry_number - 1)))
+        return base + (rng or random).uniform(0, self.jitter)
+
+    def _kwargs(self) -> dict[str, Any]:
+        return {
+            "stop": tenacity.stop_after_attempt(self.attempts),
+            "wait": tenacity.wait_exponential(multiplier=self.backoff, max=self.backoff_max)
+            + tenacity.wait_random(0, self.jitter),
+            "retry": tenacity.retry_if_exception(self.should_retry),
+            "reraise": True,
+        }
+
+    def retrying(self) -> tenacity.Retrying:
+        """A tenacity ``Retrying`` that executes this policy (``reraise=True``)."""
+        return tenacity.Retrying(**self._kwargs())
+
+    def async_retrying(self) -> tenacity.AsyncRetrying:
+        return tenacity.AsyncRetrying(**self._kwargs())

@@ -1,0 +1,24 @@
+"""Engine clients: one small protocol (``Engine``), built-ins for vLLM, SGLang and an
+in-process PEFT engine, and a registry that plugins join through the ``lorasync.engines``
+entry-point group."""
+
+from lorasync.engines._base import Capabilities, Engine
+from lorasync.engines._registry import (
+    ENGINE_GROUP,
+    available_engines,
+    connect,
+    engine_registry,
+    parse_engine_spec,
+    register_engine,
+)
+
+__all__ = [
+    "ENGINE_GROUP",
+    "Capabilities",
+    "Engine",
+    "available_engines",
+    "connect",
+    "engine_registry",
+    "parse_engine_spec",
+    "register_engine",
+]

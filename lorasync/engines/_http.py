@@ -1,0 +1,234 @@
+"""Shared machinery of HTTP engine clients: one logic, sync and async I/O.
+
+An engine operation is written once as a generator that yields :class:`Call` objects and
+receives ``httpx.Response`` objects back (no I/O inside). ``HTTPEngine._run`` drives it with a
+sync ``httpx.Client``; ``_arun`` with an ``httpx.AsyncClient``. Both apply the same
+:class:`RetryPolicy` (through tenacity) and translate httpx errors into ``lorasync.errors``.
+
+Responses are never assumed to be JSON: vLLM answers plain text with no content type, several
+routes answer an empty 200. Use :func:`body_json` / :func:`body_text`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import Generator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import httpx
+
+from lorasync._retry import RetryableStatus, RetryPolicy
+from lorasync.engines._base import Engine
+from lorasync.errors import AuthenticationError, EngineError, EngineTimeoutError, EngineUnavailableError
+
+__all__ = ["Call", "HTTPEngine", "Operation", "body_json", "body_text"]
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Call:
+    """One HTTP request an operation wants sent."""
+
+    method: str
+    path: str
+    json: Any = None
+    params: dict[str, Any] | None = None
+    retry: bool = True  # False for requests that must not be repeated blindly
+
+
+Operation = Generator[Call, httpx.Response, T]
+
+
+def body_text(response: httpx.Response) -> str:
+    """The body as text whatever the content type (empty string for an empty body)."""
+    return response.content.decode("utf-8", errors="replace")
+
+
+def body_json(response: httpx.Response) -> Any | None:
+    """The body parsed as JSON, or None when it is empty or not JSON (plain-text 200s)."""
+    if not response.content.strip():
+        return None
+    try:
+        return json.loads(response.content)
+    except ValueError:
+        return None
+
+
+class HTTPEngine(Engine):
+    """Base of engine clients that talk HTTP.
+
+    Args:
+        url (`str`): the server's base URL, e.g. ``http://127.0.0.1:8000``.
+        api_key (`str`, *optional*): sent as ``Authorization: Bearer``; never logged or shown
+            in ``repr``. Defaults to the env var named by ``api_key_env``.
+        timeout (`float`): seconds per request (loads can take a while on big adapters).
+        retries (`RetryPolicy | int | None`): retry policy (see ``RetryPolicy``).
+        transport / async_transport (`httpx` transports, *optional*): for tests or custom I/O.
+    """
+
+    api_key_env: str = ""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        api_key: str | None = None,
+        timeout: float = 60.0,
+        retries: RetryPolicy | int | None = None,
+        transport: httpx.BaseTransport | None = None,
+        async_transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.retry = RetryPolicy.from_value(retries)
+        self.timeout = timeout
+        key = api_key if api_key is not None else (os.environ.get(self.api_key_env) if self.api_key_env else None)
+        self._headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self._transport = transport
+        self._async_transport = async_transport
+        self._client: httpx.Client | None = None
+        self._aclient: httpx.AsyncClient | None = None
+        self._aclient_loop: asyncio.AbstractEventLoop | None = None
+
+    # -- drivers --------------------------------------------------------------------------------
+
+    def _run(self, op: Operation[T], *, adapter: str | None = None) -> T:
+        try:
+            call = next(op)
+            while True:
+                call = op.send(self._send(call, adapter))
+        except StopIteration as stop:
+            return stop.value  # type: ignore[no-any-return]
+
+    async def _arun(self, op: Operation[T], *, adapter: str | None = None) -> T:
+        try:
+            call = next(op)
+            while True:
+                call = op.send(await self._asend(call, adapter))
+        except StopIteration as stop:
+            return stop.value  # type: ignore[no-any-return]
+
+    def _send(self, call: Call, adapter: str | None) -> httpx.Response:
+        client = self._sync_client()
+        policy = self.retry if call.retry else RetryPolicy(attempts=1)
+        attempts = 0
+        try:
+            for attempt in policy.retrying():
+                with attempt:
+                    attempts += 1
+                    response = client.request(call.method, call.path, json=call.json, params=call.params)
+                    self._raise_retryable(response)
+        except Exception as exc:  # translated below
+            raise self._translate(exc, call, adapter, attempts) from exc
+        return self._checked(response, call, adapter, attempts)
+
+    async def _asend(self, call: Call, adapter: str | None) -> httpx.Response:
+        client = self._async_client()
+        policy = self.retry if call.retry else RetryPolicy(attempts=1)
+        attempts = 0
+        try:
+            async for attempt in policy.async_retrying():
+                with attempt:
+                    attempts += 1
+                    response = await client.request(call.method, call.path, json=call.json, params=call.params)
+                    self._raise_retryable(response)
+        except Exception as exc:
+            raise self._translate(exc, call, adapter, attempts) from exc
+        return self._checked(response, call, adapter, attempts)
+
+    def _raise_retryable(self, response: httpx.Response) -> None:
+        if self.retry.should_retry_status(response.status_code):
+            raise RetryableStatus(response)
+
+    def _context(self, call: Call, adapter: str | None, attempts: int, status: int | None = None) -> dict[str, Any]:
+        return {
+            "engine": self.kind,
+            "url": f"{self.url}{call.path}",
+            "adapter": adapter,
+            "attempts": attempts,
+            "status": status,
+        }
+
+    def _translate(self, exc: Exception, call: Call, adapter: str | None, attempts: int) -> EngineError:
+        where = f"{self.kind} at {self.url}{call.path}" + (f" (adapter {adapter!r})" if adapter else "")
+        tries = f"after {attempts} attempt{'s' if attempts != 1 else ''}"
+        if isinstance(exc, RetryableStatus):
+            status = exc.response.status_code
+            text = body_text(exc.response)[:300]
+            return EngineUnavailableError(
+                f"{where} kept answering HTTP {status} {tries}: {text!r}; check the engine's health and logs",
+                **self._context(call, adapter, attempts, status),
+            )
+        if isinstance(exc, httpx.TimeoutException):
+            return EngineTimeoutError(
+                f"{where} did not answer within {self.timeout}s {tries}; raise timeout= or check the engine",
+                **self._context(call, adapter, attempts),
+            )
+        if isinstance(exc, httpx.TransportError):
+            return EngineUnavailableError(
+                f"cannot reach {where} {tries}: {type(exc).__name__}: {exc}; is the server running and the URL right?",
+                **self._context(call, adapter, attempts),
+            )
+        if isinstance(exc, EngineError):
+            return exc
+        return EngineError(f"{where} failed {tries}: {type(exc).__name__}: {exc}", **self._context(call, adapter, attempts))
+
+    def _checked(self, response: httpx.Response, call: Call, adapter: str | None, attempts: int) -> httpx.Response:
+        if response.status_code in (401, 403):
+            raise AuthenticationError(
+                f"{self.kind} at {self.url}{call.path} refused the credentials (HTTP {response.status_code}); "
+                f"pass api_key= (or set {self.api_key_env or 'the API key'}) to match the server's --api-key",
+                **self._context(call, adapter, attempts, response.status_code),
+            )
+        response.extensions["lorasync_attempts"] = attempts
+        return response
+
+    def error_context(self, call_path: str, adapter: str | None, response: httpx.Response) -> dict[str, Any]:
+        """Context for errors an engine raises after inspecting a response."""
+        return {
+            "engine": self.kind,
+            "url": f"{self.url}{call_path}",
+            "adapter": adapter,
+            "attempts": response.extensions.get("lorasync_attempts", 1),
+            "status": response.status_code,
+        }
+
+    # -- clients --------------------------------------------------------------------------------
+
+    def _sync_client(self) -> httpx.Client:
+        if self._client is None:
+            self._client = httpx.Client(
+                base_url=self.url, headers=self._headers, timeout=self.timeout, transport=self._transport
+            )
+        return self._client
+
+    def _async_client(self) -> httpx.AsyncClient:
+        # An AsyncClient is bound to the loop that first used it; publishers may call
+        # asyncio.run() once per step, so a new loop gets a new client.
+        loop = asyncio.get_running_loop()
+        if self._aclient is not None and self._aclient_loop is not loop:
+            self._aclient = None
+        self._aclient_loop = loop
+        if self._aclient is None:
+            self._aclient = httpx.AsyncClient(
+                base_url=self.url, headers=self._headers, timeout=self.timeout, transport=self._async_transport
+            )
+        return self._aclient
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    async def aclose(self) -> None:
+        self.close()
+        if self._aclient is not None:
+            await self._aclient.aclose()
+            self._aclient = None
+
+    def __repr__(self) -> str:
+        auth = ", api_key=***" if self._headers else ""
+        return f"{type(self).__name__}(url={self.url!r}{auth})"

@@ -1,0 +1,282 @@
+"""Every error lorasync raises, in one tree.
+
+Callers catch ``LoraSyncError`` for "anything lorasync refused or could not do", or a leaf for
+one failure. Leaves also inherit the builtin a caller would already catch (``ValueError`` for bad
+input, ``ConnectionError`` for an unreachable engine, ``TimeoutError``...). Foreign errors
+(httpx, torch, OS) are translated at the boundary and chained with ``raise ... from exc``.
+Every message says what to do next.
+
+    LoraSyncError
+    ├── AdapterError (ValueError)            an Adapter that must not be served
+    │   ├── InvalidKeyError                  a key that is not a PEFT LoRA weight name
+    │   ├── MissingPairError                 lora_A without lora_B, or the reverse
+    │   ├── ShapeMismatchError               shapes disagree with each other or with r
+    │   ├── DtypeMismatchError               mixed or non-floating dtypes
+    │   ├── NonFiniteError                   NaN or inf in a tensor (optional check)
+    │   └── PaddedRankError                  max-rank padding that is not exactly zero
+    ├── ExportError (ValueError)             trainer state that cannot be exported
+    │   ├── UnknownAdapterNameError          the requested PEFT adapter name is absent
+    │   ├── MissingShardError                a TP/PP/EP shard is missing
+    │   ├── GeometryError                    head counts, TP size and shapes do not fit
+    │   └── UnknownModuleError               a module name no rule translates
+    ├── ConfigError (ValueError)             bad options or configuration
+    ├── InvalidNameError (ValueError)        adapter names/versions unsafe as paths or ids
+    ├── RegistryError                        engine registry problems
+    │   ├── UnknownEngineError (KeyError)    no engine registered under that name
+    │   └── DuplicateRegistrationError       a name registered twice with different targets
+    ├── EngineError                          an engine refused or failed; carries engine/url/adapter
+    │   ├── EngineUnavailableError (ConnectionError)   unreachable, 5xx, retries spent
+    │   │   └── EngineTimeoutError (TimeoutError)      no answer in time
+    │   ├── EngineProtocolError              an answer lorasync cannot interpret
+    │   ├── AuthenticationError              401/403: wrong or missing API key
+    │   ├── RuntimeLoraDisabledError         runtime LoRA routes are switched off
+    │   ├── LoraNotEnabledError              the engine was started without LoRA
+    │   ├── CapabilityError                  the engine cannot do what was asked
+    │   ├── AdapterRejectedError             the engine refused the adapter's content
+    │   │   ├── RankTooLargeError            rank above the engine's max rank
+    │   │   └── IncompatibleAdapterError     modules/features the engine cannot serve
+    │   ├── AdapterAlreadyLoadedError        name already loaded
+    │   ├── AdapterNotFoundError             unknown name on unload, or path without adapter
+    │   └── CapacityError                    the engine has no free adapter slot
+    ├── TransportError                       moving bytes to an engine failed
+    │   └── StorageError (OSError)           disk/shared-memory I/O failed
+    └── PublishError                         publisher-level refusals
+        ├── StaleVersionError                an older version would replace a newer one
+        └── VerificationError                the engine does not reproduce the trainer's probe
+
+Warnings derive from ``LoraSyncWarning``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "AdapterAlreadyLoadedError",
+    "AdapterError",
+    "AdapterNotFoundError",
+    "AdapterRejectedError",
+    "AuthenticationError",
+    "CapabilityError",
+    "CapacityError",
+    "ConfigError",
+    "DtypeMismatchError",
+    "DuplicateRegistrationError",
+    "EngineError",
+    "EngineProtocolError",
+    "EngineTimeoutError",
+    "EngineUnavailableError",
+    "ExportError",
+    "GeometryError",
+    "IncompatibleAdapterError",
+    "InvalidKeyError",
+    "InvalidNameError",
+    "LoraNotEnabledError",
+    "LoraSyncError",
+    "LoraSyncWarning",
+    "MissingPairError",
+    "MissingShardError",
+    "NonFiniteError",
+    "PaddedRankError",
+    "PublishError",
+    "RankTooLargeError",
+    "RegistryError",
+    "RuntimeLoraDisabledError",
+    "ShapeMismatchError",
+    "StaleVersionError",
+    "StorageError",
+    "TransportError",
+    "UnknownAdapterNameError",
+    "UnknownEngineError",
+    "UnknownModuleError",
+    "VerificationError",
+]
+
+
+class LoraSyncError(Exception):
+    """Root of every lorasync error. Extra context travels as keyword attributes."""
+
+    def __init__(self, message: str = "", **context: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.context = context
+        for key, value in context.items():
+            setattr(self, key, value)
+
+    def __str__(self) -> str:
+        return self.message
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Picklable across processes (publishers fan out to workers), context included.
+        return (_rebuild, (type(self), self.message, self.context))
+
+
+def _rebuild(cls: type[LoraSyncError], message: str, context: dict[str, Any]) -> LoraSyncError:
+    return cls(message, **context)
+
+
+class LoraSyncWarning(UserWarning):
+    """Root of lorasync warnings."""
+
+
+# -- adapters -------------------------------------------------------------------------------
+
+
+class AdapterError(LoraSyncError, ValueError):
+    """An Adapter's tensors or config are not servable."""
+
+
+class InvalidKeyError(AdapterError):
+    """A key is not ``base_model.model.<module>.lora_{A,B}.weight``."""
+
+
+class MissingPairError(AdapterError):
+    """A module has lora_A but no lora_B, or the reverse."""
+
+
+class ShapeMismatchError(AdapterError):
+    """A/B shapes disagree with each other or with the configured rank."""
+
+
+class DtypeMismatchError(AdapterError):
+    """Tensors of one adapter have different or non-floating dtypes."""
+
+
+class NonFiniteError(AdapterError):
+    """A tensor holds NaN or inf."""
+
+
+class PaddedRankError(AdapterError):
+    """Rank padding that should be zero holds trained values."""
+
+
+# -- exporters ------------------------------------------------------------------------------
+
+
+class ExportError(LoraSyncError, ValueError):
+    """Trainer state cannot be turned into an Adapter."""
+
+
+class UnknownAdapterNameError(ExportError):
+    """The requested PEFT adapter name is not in the model or state dict."""
+
+
+class MissingShardError(ExportError):
+    """A rank's shard is missing from the export input."""
+
+
+class GeometryError(ExportError):
+    """Model geometry (heads, KV heads, TP size, shapes) does not fit together."""
+
+
+class UnknownModuleError(ExportError):
+    """A trainer module name that no translation rule covers."""
+
+
+# -- configuration, names, registry ----------------------------------------------------------
+
+
+class ConfigError(LoraSyncError, ValueError):
+    """Options or configuration values are invalid."""
+
+
+class InvalidNameError(LoraSyncError, ValueError):
+    """An adapter name or version is unsafe (path traversal, separators, NUL, length)."""
+
+
+class RegistryError(LoraSyncError):
+    """Engine registry problems."""
+
+
+class UnknownEngineError(RegistryError, KeyError):
+    """No engine is registered under that name."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return self.message
+
+
+class DuplicateRegistrationError(RegistryError):
+    """A name is already registered with a different target."""
+
+
+# -- engines --------------------------------------------------------------------------------
+
+
+class EngineError(LoraSyncError):
+    """An engine refused or failed a request. Context: ``engine``, ``url``, ``adapter``,
+    ``status`` (HTTP status or None), ``attempts``."""
+
+
+class EngineUnavailableError(EngineError, ConnectionError):
+    """The engine could not be reached, or kept failing with 5xx until retries ran out."""
+
+
+class EngineTimeoutError(EngineUnavailableError, TimeoutError):
+    """The engine did not answer within the timeout."""
+
+
+class EngineProtocolError(EngineError):
+    """The engine answered something lorasync cannot interpret."""
+
+
+class AuthenticationError(EngineError):
+    """The engine rejected the credentials (HTTP 401/403)."""
+
+
+class RuntimeLoraDisabledError(EngineError):
+    """The engine's runtime LoRA routes are switched off."""
+
+
+class LoraNotEnabledError(EngineError):
+    """The engine was started without LoRA support."""
+
+
+class CapabilityError(EngineError):
+    """The engine cannot perform the requested operation."""
+
+
+class AdapterRejectedError(EngineError):
+    """The engine refused the adapter's content."""
+
+
+class RankTooLargeError(AdapterRejectedError):
+    """The adapter's rank exceeds the engine's maximum LoRA rank."""
+
+
+class IncompatibleAdapterError(AdapterRejectedError):
+    """The adapter targets modules or uses features the engine cannot serve."""
+
+
+class AdapterAlreadyLoadedError(EngineError):
+    """An adapter with that name is already loaded."""
+
+
+class AdapterNotFoundError(EngineError):
+    """The engine does not know that adapter (unload), or found no adapter at the path (load)."""
+
+
+class CapacityError(EngineError):
+    """The engine has no free adapter slot; loading more would evict a served adapter."""
+
+
+# -- transports and publishing ---------------------------------------------------------------
+
+
+class TransportError(LoraSyncError):
+    """Moving adapter bytes to an engine failed."""
+
+
+class StorageError(TransportError, OSError):
+    """Disk or shared-memory I/O failed."""
+
+
+class PublishError(LoraSyncError):
+    """The publisher refused or could not complete a publish."""
+
+
+class StaleVersionError(PublishError):
+    """An older version would replace a newer one; nothing was changed."""
+
+
+class VerificationError(PublishError):
+    """The engine's output for the probe differs from the trainer's reference."""

@@ -1,0 +1,106 @@
+"""Rank trimming and engine-safe scaling, shared by every exporter.
+
+Multi-LoRA trainers allocate every slot at a max rank and zero the unused rows of A and columns
+of B. ``trim_rank`` slices them off (A on dim -2, B on dim -1, so packed ``[E, r, in]`` expert
+tensors work too) after proving they are exactly zero. ``normalize_scaling`` folds per-module
+scale differences into lora_B so one global ``lora_alpha / r`` is exact on every engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from lorasync._adapter import Adapter
+from lorasync._config import AdapterConfig
+from lorasync._keys import parse_peft_key, peft_key
+from lorasync.errors import PaddedRankError, ShapeMismatchError
+
+__all__ = ["normalize_scaling", "trim_rank", "trim_tensor"]
+
+
+def trim_tensor(tensor: torch.Tensor, side: str, rank: int, *, name: str = "") -> torch.Tensor:
+    """Slice one LoRA factor to ``rank`` (A: dim -2, B: dim -1).
+
+    Returns the tensor unchanged when it is already at most ``rank`` wide.
+
+    Raises:
+        PaddedRankError: the discarded part is not exactly zero (names the module and the
+            largest absolute value found there).
+    """
+    if rank <= 0:
+        raise ShapeMismatchError(f"{name}: rank must be positive, got {rank}", key=name)
+    dim = tensor.dim() - 2 if side == "A" else tensor.dim() - 1
+    if tensor.dim() < 2:
+        raise ShapeMismatchError(f"{name}: LoRA factor must be at least 2-D, got {tuple(tensor.shape)}", key=name)
+    size = tensor.shape[dim]
+    if size <= rank:
+        return tensor
+    padding = tensor.narrow(dim, rank, size - rank)
+    # Explicit check, not assert: it must hold under `python -O`.
+    largest = padding.detach().abs().max()
+    if not bool(largest == 0):
+        raise PaddedRankError(
+            f"{name}: lora_{side} padding beyond rank {rank} is not zero (max |value| = "
+            f"{float(largest):.6g}); the slot was trained past its rank, so trimming would drop "
+            "signal. Check the rank you export with, or the trainer's rank mask.",
+            key=name,
+            max_abs=float(largest),
+        )
+    return tensor.narrow(dim, 0, rank)
+
+
+def trim_rank(
+    tensors: Mapping[str, torch.Tensor], rank: int | Mapping[str, int]
+) -> dict[str, torch.Tensor]:
+    """Trim max-rank padding from PEFT-keyed tensors.
+
+    Args:
+        tensors (`Mapping[str, torch.Tensor]`): PEFT keys to (possibly padded) factors.
+        rank (`int` or `Mapping[str, int]`): the real rank, globally or per module path.
+
+    Returns:
+        `dict[str, torch.Tensor]`: the same keys, trimmed (views, no copies).
+
+    Raises:
+        PaddedRankError: non-zero padding.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in tensors.items():
+        module, side = parse_peft_key(key)
+        r = rank if isinstance(rank, int) else rank[module]
+        out[key] = trim_tensor(tensor, side, r, name=module)
+    return out
+
+
+def normalize_scaling(adapter: Adapter) -> Adapter:
+    """Fold per-module scales into lora_B so a single global scale is exact everywhere.
+
+    PEFT honours ``rank_pattern``/``alpha_pattern``/``use_rslora``; vLLM applies one
+    ``lora_alpha / r`` (or rsLoRA) scale and SGLang ignores all three. The result has
+    ``use_rslora=False``, scale 1 on every module (``lora_alpha = r``, and for modules whose
+    rank differs ``alpha_pattern[m] = rank_pattern[m] = r_m``, which PEFT needs to build the
+    right shapes) and ``B_m · scale_m``, so ΔW is unchanged under PEFT and every engine.
+    """
+    config = adapter.config
+    if adapter.engine_safe_scaling:
+        return adapter
+    ranks = {m: config.rank_for(m) for m in adapter.modules}
+    r = max(ranks.values())
+    odd = {m: rank for m, rank in ranks.items() if rank != r}
+    new_config = AdapterConfig(
+        r=r,
+        lora_alpha=float(r),
+        target_modules=config.target_modules,
+        base_model_name_or_path=config.base_model_name_or_path,
+        rank_pattern=odd,
+        alpha_pattern={m: float(rank) for m, rank in odd.items()},
+    )
+    tensors: dict[str, torch.Tensor] = {}
+    for module in adapter.modules:
+        a, b = adapter.pair(module)
+        ratio = config.scale_for(module)  # the new scale is exactly 1
+        tensors[peft_key(module, "A")] = a
+        tensors[peft_key(module, "B")] = (b.double() * ratio).to(b.dtype)
+    return Adapter(tensors, new_config)

@@ -1,0 +1,153 @@
+"""Export a PEFT LoRA adapter from a (possibly FSDP/DDP/compiled/checkpointed) model or a
+decorated state dict.
+
+Collective use: when ``source`` is sharded (FSDP1 flat parameters or FSDP2/DTensor parameters)
+**every rank of the sharding group must call** :func:`export` with the same arguments, in the same
+order, because gathering is a collective. Every rank gets the full Adapter; trainers usually
+publish from rank 0 only and let the other ranks drop theirs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from lorasync._adapter import Adapter
+from lorasync._config import AdapterConfig
+from lorasync._keys import normalize_trainer_key, peft_key
+from lorasync.errors import ConfigError, UnknownAdapterNameError
+from lorasync.exporters._rank import trim_rank
+
+__all__ = ["export"]
+
+
+def export(
+    source: nn.Module | Mapping[str, torch.Tensor],
+    *,
+    adapter_name: str = "default",
+    rank: int | Mapping[str, int] | None = None,
+    alpha: float | None = None,
+    config: AdapterConfig | None = None,
+    dtype: torch.dtype | None = None,
+    base_model_name_or_path: str | None = None,
+) -> Adapter:
+    """Turn trainer LoRA weights into an :class:`Adapter`.
+
+    Args:
+        source (`nn.Module` or `Mapping[str, torch.Tensor]`):
+            A PEFT model, possibly wrapped by FSDP1, FSDP2 ``fully_shard``, DDP,
+            ``torch.compile`` or activation-checkpoint wrappers; or a name → tensor mapping with
+            those decorations (DTensors allowed).
+        adapter_name (`str`, defaults to ``"default"``): the PEFT adapter to export; other
+            adapters' weights are never included.
+        rank (`int` or per-module `Mapping`, *optional*): the real rank. Padding beyond it is
+            trimmed after proving it is zero. Defaults to the PEFT config's ``r`` (model) or the
+            tensors' own rank (mapping).
+        alpha (`float`, *optional*): ``lora_alpha``; required for a mapping without ``config``.
+        config (`AdapterConfig`, *optional*): explicit config; wins over the model's PEFT config.
+        dtype (`torch.dtype`, *optional*): cast the exported tensors.
+        base_model_name_or_path (`str`, *optional*): recorded in ``adapter_config.json``.
+
+    Returns:
+        `Adapter`: PEFT-keyed tensors on CPU, detached.
+
+    Raises:
+        UnknownAdapterNameError: no LoRA weights for ``adapter_name``.
+        ConfigError: neither a PEFT config nor ``alpha``/``config`` give the scale.
+        PaddedRankError, ShapeMismatchError, ...: from validation.
+    """
+    if isinstance(source, nn.Module):
+        peft_cfg = _find_peft_config(source, adapter_name)
+        with _full_params(source):
+            raw = _collect(source.named_parameters(), adapter_name)
+    else:
+        peft_cfg = None
+        raw = _collect(source.items(), adapter_name)
+    if not raw:
+        available = _adapter_names(source)
+        raise UnknownAdapterNameError(
+            f"no LoRA weights for adapter {adapter_name!r}"
+            + (f"; available adapters: {sorted(available)}" if available else "; the source holds no LoRA weights"),
+            adapter=adapter_name,
+        )
+
+    base = config or (AdapterConfig.from_peft(peft_cfg) if peft_cfg is not None else None)
+    if base is None:
+        if alpha is None:
+            raise ConfigError("exporting from a state dict needs alpha= (lora_alpha) or config=")
+        real = rank if isinstance(rank, int) else max(t.shape[0] for k, t in raw.items() if k.endswith("lora_A.weight"))
+        base = AdapterConfig(r=real, lora_alpha=alpha)
+    # Derived from what is exported, never from a pattern like "all-linear".
+    changes: dict[str, Any] = {"target_modules": ()}
+    if isinstance(rank, int):
+        changes["r"] = rank
+    if alpha is not None:
+        changes["lora_alpha"] = alpha
+    if base_model_name_or_path is not None:
+        changes["base_model_name_or_path"] = base_model_name_or_path
+    cfg = base.with_(**changes)
+
+    if rank is not None:
+        raw = trim_rank(raw, rank)
+    tensors = {k: (t.to(dtype) if dtype is not None else t) for k, t in raw.items()}
+    return Adapter(tensors, cfg)
+
+
+def _collect(items: Any, adapter_name: str) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for name, value in items:
+        parsed = normalize_trainer_key(name, adapter_name)
+        if parsed is None:
+            continue
+        tensor = value.detach() if isinstance(value, torch.Tensor) else value
+        full = getattr(tensor, "full_tensor", None)
+        if callable(full):  # DTensor (FSDP2 / TP): collective gather
+            tensor = full()
+        out[peft_key(*parsed)] = tensor.to("cpu").clone()
+    return out
+
+
+def _adapter_names(source: Any) -> set[str]:
+    names: Iterator[str] = (
+        (n for n, _ in source.named_parameters()) if isinstance(source, nn.Module) else iter(source)
+    )
+    found = set()
+    for name in names:
+        parts = name.split(".")
+        for i, p in enumerate(parts[:-2]):
+            if p in ("lora_A", "lora_B"):
+                found.add(parts[i + 1])
+    return found
+
+
+def _find_peft_config(model: nn.Module, adapter_name: str) -> Any | None:
+    for module in model.modules():
+        configs = getattr(module, "peft_config", None)
+        if isinstance(configs, Mapping) and configs:
+            if adapter_name not in configs:
+                raise UnknownAdapterNameError(
+                    f"adapter {adapter_name!r} is not in the model; available: {sorted(configs)}",
+                    adapter=adapter_name,
+                )
+            return configs[adapter_name]
+    return None
+
+
+@contextlib.contextmanager
+def _full_params(model: nn.Module) -> Iterator[None]:
+    """Unshard FSDP1 flat parameters for the duration (collective). FSDP2 parameters are
+    DTensors, gathered per tensor with ``full_tensor()`` instead."""
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    except ImportError:  # pragma: no cover - torch built without distributed
+        yield
+        return
+    if any(isinstance(m, FSDP) for m in model.modules()):
+        with FSDP.summon_full_params(model, writeback=False, recurse=True):
+            yield
+    else:
+        yield
