@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The test command: set up both environments, then run the whole suite (real vLLM included).
+#   bash scripts/test.sh [pytest args...]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/bootstrap.sh
+# The vLLM CPU engine lives in its own venv, cached outside the repo and reused.
+LORASYNC_VLLM_PYTHON="$(bash scripts/engine-venv.sh | tail -n 1)"
+export LORASYNC_VLLM_PYTHON
+set +e
+.venv/bin/python -m pytest "$@"
+rc=$?
+set -e
+if [ "$rc" -eq 5 ]; then
+  echo "pytest collected no tests: failing on purpose" >&2
+  exit 1
+fi
+exit "$rc"
