@@ -124,6 +124,12 @@ class Engine:
         """Replace base weights in place (the merged fallback). Names are HF parameter names."""
         raise CapabilityError(f"{self.kind or type(self).__name__} cannot update weights", engine=self.kind)
 
+    def greedy(self, name: str | None, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
+        """Greedy-decode ``max_tokens`` tokens after ``prompt_ids`` with adapter ``name`` (None:
+        the base model). Returns the token ids and each chosen token's log-probability; used by
+        verification probes."""
+        raise CapabilityError(f"{self.kind or type(self).__name__} cannot generate", engine=self.kind)
+
     def close(self) -> None:
         """Release connections. Idempotent."""
 
@@ -146,6 +152,9 @@ class Engine:
 
     async def aupdate_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> None:
         await asyncio.to_thread(self.update_weights, named_tensors)
+
+    async def agreedy(self, name: str | None, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
+        return await asyncio.to_thread(self.greedy, name, prompt_ids, max_tokens)
 
     async def aclose(self) -> None:
         self.close()
