@@ -124,6 +124,13 @@ class Engine:
         """Replace base weights in place (the merged fallback). Names are HF parameter names."""
         raise CapabilityError(f"{self.kind or type(self).__name__} cannot update weights", engine=self.kind)
 
+    def begin_weight_update(self) -> None:
+        """Called before a series of ``update_weights`` buckets: hold requests so none sees half
+        an update. Default: nothing."""
+
+    def end_weight_update(self) -> None:
+        """Called after the last bucket (also on failure). Default: nothing."""
+
     def greedy(self, name: str | None, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
         """Greedy-decode ``max_tokens`` tokens after ``prompt_ids`` with adapter ``name`` (None:
         the base model). Returns the token ids and each chosen token's log-probability; used by
@@ -152,6 +159,12 @@ class Engine:
 
     async def aupdate_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> None:
         await asyncio.to_thread(self.update_weights, named_tensors)
+
+    async def abegin_weight_update(self) -> None:
+        await asyncio.to_thread(self.begin_weight_update)
+
+    async def aend_weight_update(self) -> None:
+        await asyncio.to_thread(self.end_weight_update)
 
     async def agreedy(self, name: str | None, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
         return await asyncio.to_thread(self.greedy, name, prompt_ids, max_tokens)

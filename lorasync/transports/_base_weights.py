@@ -1,0 +1,92 @@
+"""BaseWeights: the pristine base model's weights, read lazily one parameter at a time.
+
+The merged fallback folds ``W0 + s·B·A`` from these, never from an engine's already-merged
+weights, so repeated publishes do not accumulate deltas.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from lorasync.errors import ConfigError, StorageError
+
+__all__ = ["BaseWeights"]
+
+
+class BaseWeights:
+    """Name → pristine tensor, from a HF checkpoint directory (safetensors) or from tensors.
+
+    Args:
+        files (`Mapping[str, Path]`): parameter name → safetensors file holding it.
+        tensors (`Mapping[str, torch.Tensor]`): parameter name → tensor (the trainer's copy).
+    """
+
+    def __init__(self, *, files: Mapping[str, Path] | None = None, tensors: Mapping[str, torch.Tensor] | None = None) -> None:
+        self._files = dict(files or {})
+        self._tensors = dict(tensors or {})
+
+    @classmethod
+    def from_pretrained(cls, directory: str | os.PathLike[str]) -> BaseWeights:
+        """Index a HF checkpoint directory (``model.safetensors`` or a sharded index).
+
+        Raises:
+            StorageError: no safetensors weights in ``directory`` (``.bin`` checkpoints are not
+                read: they would need pickle).
+        """
+        from safetensors import safe_open
+
+        path = Path(directory)
+        index = path / "model.safetensors.index.json"
+        files: dict[str, Path] = {}
+        try:
+            if index.is_file():
+                for name, fname in json.loads(index.read_text())["weight_map"].items():
+                    files[name] = path / fname
+            else:
+                shards = sorted(path.glob("*.safetensors"))
+                for shard in shards:
+                    with safe_open(str(shard), framework="pt") as f:
+                        for name in f.keys():
+                            files[name] = shard
+        except (OSError, ValueError, KeyError) as exc:
+            raise StorageError(f"cannot index base weights in {path}: {exc}") from exc
+        if not files:
+            raise StorageError(
+                f"{path} holds no safetensors base weights; convert the checkpoint to safetensors "
+                "or pass BaseWeights(tensors=...)"
+            )
+        return cls(files=files)
+
+    @classmethod
+    def from_tensors(cls, tensors: Mapping[str, torch.Tensor]) -> BaseWeights:
+        return cls(tensors=tensors)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._tensors or name in self._files
+
+    def get(self, name: str) -> torch.Tensor:
+        """The pristine tensor ``name`` (a private copy for files, the given tensor otherwise).
+
+        Raises:
+            ConfigError: ``name`` is not a base parameter.
+        """
+        if name in self._tensors:
+            return self._tensors[name]
+        file = self._files.get(name)
+        if file is None:
+            raise ConfigError(
+                f"base weights have no parameter {name!r}; the adapter targets a module the base "
+                "checkpoint does not have (wrong base model?)"
+            )
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                return f.get_tensor(name)
+        except OSError as exc:
+            raise StorageError(f"cannot read {name} from {file}: {exc}") from exc

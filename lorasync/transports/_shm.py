@@ -1,0 +1,143 @@
+"""Tensors in one POSIX shared-memory segment, laid out exactly as a safetensors file.
+
+The producer writes the header and copies each tensor once into the segment; a consumer in
+another process (an engine worker) attaches by name and copies the tensors out once. The layout
+is the safetensors format (8-byte little-endian header length, JSON header, raw data), so
+``safetensors.torch.load(bytes(segment))`` reads it too; no pickle is involved anywhere.
+
+This module imports only the standard library and torch: it also runs inside engine processes.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+from multiprocessing import resource_tracker, shared_memory
+
+import torch
+
+__all__ = ["ShmSegment", "read_segment", "write_segment"]
+
+_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+_FROM_NAME = {v: k for k, v in _DTYPES.items()}
+_MAX_HEADER = 100 * 1024 * 1024
+
+
+@dataclass
+class ShmSegment:
+    """A producer-owned segment. Keep it alive until the consumer confirms, then ``release()``."""
+
+    name: str
+    nbytes: int
+    _shm: shared_memory.SharedMemory
+
+    def release(self) -> None:
+        """Close and unlink (idempotent)."""
+        try:
+            self._shm.close()
+            self._shm.unlink()
+        except FileNotFoundError:
+            pass
+
+    def __enter__(self) -> ShmSegment:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def write_segment(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> ShmSegment:
+    """Copy ``tensors`` (CPU) into a new shared-memory segment in safetensors layout."""
+    header: dict[str, object] = {"__metadata__": dict(metadata or {})}
+    offset = 0
+    flat: list[tuple[int, torch.Tensor]] = []
+    for key, tensor in tensors.items():
+        if tensor.dtype not in _DTYPES:
+            raise TypeError(f"{key}: dtype {tensor.dtype} cannot be shared")
+        nbytes = tensor.numel() * tensor.element_size()
+        header[key] = {"dtype": _DTYPES[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [offset, offset + nbytes]}
+        flat.append((offset, tensor))
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # safetensors pads the header to 8-byte alignment
+    start = 8 + len(raw)
+    shm = shared_memory.SharedMemory(create=True, size=max(1, start + offset))
+    try:
+        shm.buf[:8] = struct.pack("<Q", len(raw))
+        shm.buf[8:start] = raw
+        for begin, tensor in flat:
+            n = tensor.numel() * tensor.element_size()
+            if n == 0:
+                continue
+            dst = torch.frombuffer(shm.buf, dtype=torch.uint8, count=n, offset=start + begin)
+            dst.copy_(tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8))
+    except BaseException:
+        shm.close()
+        shm.unlink()
+        raise
+    return ShmSegment(name=shm.name, nbytes=start + offset, _shm=shm)
+
+
+def read_segment(name: str, nbytes: int | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Attach to segment ``name`` and copy its tensors out (the producer may then unlink it).
+
+    Returns:
+        ``(tensors, metadata)``.
+
+    Raises:
+        ValueError: a malformed or truncated segment (bounds are checked before any copy).
+    """
+    shm = shared_memory.SharedMemory(name=name, create=False)
+    # Python < 3.13 registers attached segments with the resource tracker, which would unlink
+    # the producer's segment when this process exits; only the producer owns it.
+    try:
+        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+    except Exception:
+        pass
+    try:
+        buf = shm.buf
+        size = len(buf) if nbytes is None else min(nbytes, len(buf))
+        if size < 8:
+            raise ValueError(f"shared-memory segment {name} is truncated")
+        (hlen,) = struct.unpack("<Q", bytes(buf[:8]))
+        if hlen > _MAX_HEADER or 8 + hlen > size:
+            raise ValueError(f"shared-memory segment {name} has a bad header length {hlen}")
+        header = json.loads(bytes(buf[8 : 8 + hlen]))
+        metadata = header.pop("__metadata__", None) or {}
+        start = 8 + hlen
+        out: dict[str, torch.Tensor] = {}
+        for key, info in header.items():
+            dtype = _FROM_NAME.get(info["dtype"])
+            if dtype is None:
+                raise ValueError(f"{key}: unsupported dtype {info['dtype']!r}")
+            begin, end = (int(x) for x in info["data_offsets"])
+            shape = [int(d) for d in info["shape"]]
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            count = 1
+            for d in shape:
+                count *= d
+            if begin < 0 or end != begin + count * itemsize or start + end > size:
+                raise ValueError(f"{key}: data offsets {begin}..{end} do not fit shape {shape} in the segment")
+            if count == 0:
+                out[key] = torch.empty(shape, dtype=dtype)
+                continue
+            view = torch.frombuffer(buf, dtype=torch.uint8, count=end - begin, offset=start + begin)
+            out[key] = view.clone().view(dtype).reshape(shape)
+            del view
+        return out, {str(k): str(v) for k, v in metadata.items()}
+    finally:
+        del buf
+        shm.close()

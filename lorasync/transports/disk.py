@@ -1,0 +1,53 @@
+"""Disk transport: an atomic versioned directory (tmpfs by default) the engine loads by path."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING
+
+from lorasync.transports._base import Delivery, Transport
+from lorasync.transports._store import DiskStore
+
+if TYPE_CHECKING:
+    from lorasync._adapter import Adapter
+    from lorasync.engines._base import Capabilities, Engine
+
+__all__ = ["DiskTransport"]
+
+
+class DiskTransport(Transport):
+    """Write ``<root>/<name>/v<version>`` once, then ``engine.load_adapter(served, path)``.
+
+    Args:
+        store (`DiskStore`): where versions live; engines must see the same paths.
+    """
+
+    name = "disk"
+
+    def __init__(self, store: DiskStore) -> None:
+        self.store = store
+        self._locks: dict[tuple[str, int], asyncio.Lock] = {}
+
+    def unsupported(self, caps: Capabilities) -> str | None:
+        if not caps.lora or not caps.runtime_lora:
+            return "engine cannot load LoRA adapters at runtime"
+        if not caps.same_host:
+            return "engine does not share this host's filesystem (use a shared root or transport='ipc'/'merged')"
+        return None
+
+    async def write(self, adapter: Adapter, name: str, version: int) -> tuple[str, int, float]:
+        """Write the version once for all engines of a publish; ``(path, bytes, seconds)``."""
+        lock = self._locks.setdefault((name, version), asyncio.Lock())
+        async with lock:
+            start = time.perf_counter()
+            path, written = await asyncio.to_thread(self.store.write, adapter, name, version)
+            return str(path), written, time.perf_counter() - start
+
+    async def deliver(self, adapter: Adapter, engine: Engine, *, name: str, version: int, served: str) -> Delivery:
+        path, written, write_s = await self.write(adapter, name, version)
+        start = time.perf_counter()
+        await engine.aload_adapter(served, path)
+        load_s = time.perf_counter() - start
+        size = sum(f.stat().st_size for f in self.store.path_for(name, version).iterdir())
+        return Delivery(served_name=served, bytes_moved=size, path=path, timings={"write": write_s, "load": load_s})

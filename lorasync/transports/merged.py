@@ -1,0 +1,87 @@
+"""Merged transport: the fallback for engines that cannot serve LoRA (or not this one).
+
+Each touched base weight becomes ``W0 + s·B·A``, folded from the pristine base (never from an
+engine's already-merged weight), streamed to the engine in buckets of bounded size. Modules an
+earlier merge touched but this adapter does not get their pristine W0 back. The engine brackets
+the buckets (``begin/end_weight_update``) so requests never see half an update; if a bucket
+fails, the previous merge is pushed back before the error propagates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import torch
+
+from lorasync.transports._base import Delivery, Transport
+from lorasync.transports._base_weights import BaseWeights
+from lorasync.transports._fold import fold_buckets
+
+if TYPE_CHECKING:
+    from lorasync._adapter import Adapter
+    from lorasync.engines._base import Capabilities, Engine
+
+__all__ = ["MergedTransport"]
+
+DEFAULT_BUCKET_BYTES = 256 * 1024 * 1024
+
+
+class MergedTransport(Transport):
+    """Fold and push merged weights.
+
+    Args:
+        base (`BaseWeights`): the pristine base weights.
+        bucket_bytes (`int`): upper bound of one pushed bucket (peak extra memory ≈ 2 buckets).
+        device: where to fold (``"cuda"`` folds on GPU).
+    """
+
+    name = "merged"
+    versioned = False
+
+    def __init__(self, base: BaseWeights, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, device: str | torch.device | None = None) -> None:
+        self.base = base
+        self.bucket_bytes = bucket_bytes
+        self.device = device
+        self._merged: dict[int, Adapter] = {}  # id(engine) -> adapter merged there now
+
+    def unsupported(self, caps: Capabilities) -> str | None:
+        if not caps.weight_update:
+            return "engine has no weight-update route"
+        return None
+
+    async def deliver(self, adapter: Adapter, engine: Engine, *, name: str, version: int, served: str) -> Delivery:
+        previous = self._merged.get(id(engine))
+        restore = set(previous.modules) if previous is not None else set()
+        start = time.perf_counter()
+        await engine.abegin_weight_update()
+        try:
+            try:
+                moved = await self._push(engine, adapter, restore)
+            except BaseException:
+                # Put the engine back on the previous merge (or the pristine base) so it never
+                # serves half of this version.
+                await self._push(engine, previous, set(adapter.modules))
+                raise
+        finally:
+            await engine.aend_weight_update()
+        self._merged[id(engine)] = adapter
+        return Delivery(served_name="", bytes_moved=moved, timings={"load": time.perf_counter() - start})
+
+    async def _push(self, engine: Engine, adapter: Adapter | None, restore: set[str]) -> int:
+        buckets: Iterator[dict[str, torch.Tensor]] = fold_buckets(
+            adapter, self.base, bucket_bytes=self.bucket_bytes, restore=restore, device=self.device
+        )
+        moved = 0
+        while True:
+            bucket = await asyncio.to_thread(next, buckets, None)
+            if bucket is None:
+                return moved
+            await engine.aupdate_weights(bucket)
+            moved += sum(t.numel() * t.element_size() for t in bucket.values())
+            del bucket
+
+    async def retire(self, engine: Engine, *, name: str, version: int, served: str) -> None:
+        """Nothing to unload: the next merge replaces this one."""
