@@ -47,6 +47,8 @@ class Capabilities:
     weight_update: bool = False  # update_weights works (merged fallback)
     load_inplace: bool = False  # reloading one name in place is safe
     same_host: bool = True  # shares this host's filesystem / shared memory
+    in_process: bool = False  # lives in this Python process (tensors hand over directly)
+    fused_modules: tuple[tuple[str, ...], ...] = ()  # leaf groups stored as one weight (merged updates send whole groups)
     notes: tuple[str, ...] = field(default=())
 
     def check(self, adapter: Adapter) -> None:

@@ -37,7 +37,7 @@ class Transport:
         """Why this transport cannot serve an engine with ``caps``; None if it can."""
         raise NotImplementedError
 
-    async def deliver(self, adapter: Adapter, engine: Engine, *, name: str, version: int, served: str) -> Delivery:
+    async def deliver(self, adapter: Adapter, engine: Engine, caps: Capabilities, *, name: str, version: int, served: str) -> Delivery:
         """Make ``engine`` serve ``adapter`` as ``served``; return only once it does.
 
         On failure the engine keeps serving what it served before, and the error is a

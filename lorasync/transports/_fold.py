@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
@@ -23,29 +23,52 @@ def fold_module(adapter: Adapter, module: str, base: BaseWeights, *, device: str
     return acc.to(w0.dtype)
 
 
+def _units(modules: Iterable[str], fused: Sequence[Sequence[str]]) -> list[list[str]]:
+    """Group modules so fused siblings (q/k/v → qkv_proj) travel together and complete."""
+    sibling = {leaf: tuple(group) for group in fused for leaf in group}
+    units: dict[str, list[str]] = {}
+    for module in sorted(modules):
+        prefix, _, leaf = module.rpartition(".")
+        group = sibling.get(leaf)
+        if group is None:
+            units[module] = [module]
+        else:
+            units.setdefault(f"{prefix}.{group}", [f"{prefix}.{g}" if prefix else g for g in group])
+    return list(units.values())
+
+
 def fold_buckets(
     adapter: Adapter | None,
     base: BaseWeights,
     *,
     bucket_bytes: int,
     restore: Iterable[str] = (),
+    fused: Sequence[Sequence[str]] = (),
     device: str | torch.device | None = None,
 ) -> Iterator[dict[str, torch.Tensor]]:
-    """Yield ``{param_name: merged_weight}`` buckets of at most ``bucket_bytes`` (one module may
-    exceed it alone). Modules in ``restore`` (touched by an earlier merge, not by ``adapter``)
-    get their pristine W0 back."""
-    touched = list(adapter.modules) if adapter is not None else []
-    plan = [(m, True) for m in touched] + [(m, False) for m in sorted(set(restore) - set(touched))]
+    """Yield ``{param_name: merged_weight}`` buckets of at most ``bucket_bytes`` (one unit may
+    exceed it alone).
+
+    Modules in ``restore`` (touched by an earlier merge, not by ``adapter``) get their pristine
+    W0 back. ``fused`` lists leaf groups an engine stores as one tensor (vLLM: q/k/v, gate/up):
+    a touched member brings its whole group, never split across buckets, untouched members as W0.
+    """
+    touched = set(adapter.modules) if adapter is not None else set()
     bucket: dict[str, torch.Tensor] = {}
     size = 0
-    for module, fold in plan:
-        name = f"{module}.weight"
-        weight = fold_module(adapter, module, base, device=device) if fold and adapter is not None else base.get(name)
-        nbytes = weight.numel() * weight.element_size()
+    for unit in _units(touched | set(restore), fused):
+        weights = {}
+        for module in unit:
+            name = f"{module}.weight"
+            if adapter is not None and module in touched:
+                weights[name] = fold_module(adapter, module, base, device=device)
+            else:
+                weights[name] = base.get(name)
+        nbytes = sum(w.numel() * w.element_size() for w in weights.values())
         if bucket and size + nbytes > bucket_bytes:
             yield bucket
             bucket, size = {}, 0
-        bucket[name] = weight
+        bucket.update(weights)
         size += nbytes
     if bucket:
         yield bucket

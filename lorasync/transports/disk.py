@@ -44,7 +44,7 @@ class DiskTransport(Transport):
             path, written = await asyncio.to_thread(self.store.write, adapter, name, version)
             return str(path), written, time.perf_counter() - start
 
-    async def deliver(self, adapter: Adapter, engine: Engine, *, name: str, version: int, served: str) -> Delivery:
+    async def deliver(self, adapter: Adapter, engine: Engine, caps: Capabilities, *, name: str, version: int, served: str) -> Delivery:
         path, written, write_s = await self.write(adapter, name, version)
         start = time.perf_counter()
         await engine.aload_adapter(served, path)

@@ -29,7 +29,7 @@ class IPCTransport(Transport):
             return "shared memory needs the engine on this host"
         return None
 
-    async def deliver(self, adapter: Adapter, engine: Engine, *, name: str, version: int, served: str) -> Delivery:
+    async def deliver(self, adapter: Adapter, engine: Engine, caps: Capabilities, *, name: str, version: int, served: str) -> Delivery:
         start = time.perf_counter()
         await engine.aload_adapter_tensors(served, adapter)
         return Delivery(served_name=served, bytes_moved=adapter.nbytes, timings={"load": time.perf_counter() - start})

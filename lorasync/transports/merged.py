@@ -52,27 +52,27 @@ class MergedTransport(Transport):
             return "engine has no weight-update route"
         return None
 
-    async def deliver(self, adapter: Adapter, engine: Engine, *, name: str, version: int, served: str) -> Delivery:
+    async def deliver(self, adapter: Adapter, engine: Engine, caps: Capabilities, *, name: str, version: int, served: str) -> Delivery:
         previous = self._merged.get(id(engine))
         restore = set(previous.modules) if previous is not None else set()
         start = time.perf_counter()
         await engine.abegin_weight_update()
         try:
             try:
-                moved = await self._push(engine, adapter, restore)
+                moved = await self._push(engine, adapter, restore, caps)
             except BaseException:
                 # Put the engine back on the previous merge (or the pristine base) so it never
                 # serves half of this version.
-                await self._push(engine, previous, set(adapter.modules))
+                await self._push(engine, previous, set(adapter.modules), caps)
                 raise
         finally:
             await engine.aend_weight_update()
         self._merged[id(engine)] = adapter
         return Delivery(served_name="", bytes_moved=moved, timings={"load": time.perf_counter() - start})
 
-    async def _push(self, engine: Engine, adapter: Adapter | None, restore: set[str]) -> int:
+    async def _push(self, engine: Engine, adapter: Adapter | None, restore: set[str], caps: Capabilities) -> int:
         buckets: Iterator[dict[str, torch.Tensor]] = fold_buckets(
-            adapter, self.base, bucket_bytes=self.bucket_bytes, restore=restore, device=self.device
+            adapter, self.base, bucket_bytes=self.bucket_bytes, restore=restore, fused=caps.fused_modules, device=self.device
         )
         moved = 0
         while True:
