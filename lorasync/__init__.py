@@ -7,9 +7,26 @@ The top-level API is small on purpose: :class:`Adapter` (the canonical adapter),
 
 from lorasync._adapter import Adapter
 from lorasync._config import AdapterConfig
+from lorasync._probe import Probe
+from lorasync._publish import Publisher, apublish_adapter, publish_adapter
+from lorasync._report import EngineResult, PublishReport
 from lorasync._retry import RetryPolicy
 from lorasync.errors import LoraSyncError
+from lorasync.transports import BaseWeights
 
 __version__ = "0.1.0"
 
-__all__ = ["Adapter", "AdapterConfig", "LoraSyncError", "RetryPolicy", "__version__"]
+__all__ = [
+    "Adapter",
+    "AdapterConfig",
+    "BaseWeights",
+    "EngineResult",
+    "LoraSyncError",
+    "Probe",
+    "PublishReport",
+    "Publisher",
+    "RetryPolicy",
+    "__version__",
+    "apublish_adapter",
+    "publish_adapter",
+]
