@@ -1,0 +1,52 @@
+"""Adapter names and versions never become path traversal or ambiguous ids."""
+
+import pytest
+
+from lorasync._names import parse_served_name, served_name, validate_name, validate_version
+from lorasync.errors import InvalidNameError
+from lorasync.transports import DiskStore
+
+HOSTILE_NAMES = [
+    "../x",
+    "..",
+    "a/../../etc",
+    "/etc/passwd",
+    "a/b",
+    "a\\b",
+    "nul\x00byte",
+    "",
+    "x" * 10_000,
+    ".hidden",
+    "-flag",
+    "pоlicy",  # Cyrillic 'о': a look-alike
+    "ｐolicy",  # full-width
+    "a b",
+    "a\nb",
+    "a..b",
+]
+
+
+@pytest.mark.parametrize("name", HOSTILE_NAMES)
+def test_hostile_names_rejected(name, tmp_path):
+    with pytest.raises(InvalidNameError):
+        validate_name(name)
+    with pytest.raises(InvalidNameError):
+        DiskStore(tmp_path).path_for(name, 1)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("version", ["../1", "-1", -1, 1.5, "1e3", "١", True, None, "", 10**16, "0x10"])
+def test_hostile_versions_rejected(version):
+    with pytest.raises(InvalidNameError):
+        validate_version(version)
+
+
+def test_good_names_and_served_round_trip(tmp_path):
+    for name in ("policy", "math-v2", "code_agent.7", "A1"):
+        assert validate_name(name) == name
+        assert parse_served_name(served_name(name, 12)) == (name, 12)
+        path = DiskStore(tmp_path).path_for(name, 12)
+        assert path.parent.parent == tmp_path and path.name == "v12"
+    assert validate_version("7") == 7
+    assert parse_served_name("tiny") is None
+    assert parse_served_name("../x@v1") is None

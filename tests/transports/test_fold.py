@@ -1,0 +1,61 @@
+"""Merged fold: W0 + s·B·A from the pristine base, bounded buckets, fused groups kept whole."""
+
+import torch
+
+from lorasync import Adapter, AdapterConfig, BaseWeights
+from lorasync.transports._fold import fold_buckets
+
+LEAVES = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def _setup(targets=("q_proj", "o_proj"), dtype=torch.bfloat16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    base = {f"model.layers.{i}.self_attn.{l}.weight": torch.randn(64, 64, generator=g).to(dtype) for i in range(3) for l in LEAVES}
+    tensors = {}
+    for i in range(3):
+        for l in targets:
+            m = f"model.layers.{i}.self_attn.{l}"
+            tensors[f"base_model.model.{m}.lora_A.weight"] = torch.randn(8, 64, generator=g)
+            tensors[f"base_model.model.{m}.lora_B.weight"] = torch.randn(64, 8, generator=g)
+    return base, Adapter(tensors, AdapterConfig(r=8, lora_alpha=16))
+
+
+def test_fold_equals_float64_reference_within_bf16():
+    base, ad = _setup()
+    merged = {}
+    for bucket in fold_buckets(ad, BaseWeights.from_tensors(base), bucket_bytes=1 << 30):
+        merged.update(bucket)
+    assert set(merged) == {f"{m}.weight" for m in ad.modules}
+    for m in ad.modules:
+        a, b = (t.double() for t in ad.pair(m))
+        ref = base[f"{m}.weight"].double() + 2.0 * (b @ a)
+        got = merged[f"{m}.weight"]
+        assert got.dtype == torch.bfloat16
+        assert torch.allclose(got.double(), ref, rtol=1e-2, atol=1e-2)
+
+
+def test_buckets_bounded_and_fused_groups_whole_and_restore():
+    base, ad = _setup(targets=("q_proj",))
+    one = 64 * 64 * 2
+    buckets = list(
+        fold_buckets(ad, BaseWeights.from_tensors(base), bucket_bytes=3 * one, fused=[("q_proj", "k_proj", "v_proj")], restore=["model.layers.0.self_attn.o_proj"])
+    )
+    names = [set(b) for b in buckets]
+    # Each bucket holds whole q/k/v groups; k and v come back pristine.
+    for i in range(3):
+        group = {f"model.layers.{i}.self_attn.{l}.weight" for l in ("q_proj", "k_proj", "v_proj")}
+        assert any(group <= n for n in names)
+    assert all(sum(t.numel() * t.element_size() for t in b.values()) <= 3 * one for b in buckets)
+    flat = {k: v for b in buckets for k, v in b.items()}
+    assert torch.equal(flat["model.layers.1.self_attn.k_proj.weight"], base["model.layers.1.self_attn.k_proj.weight"])
+    assert torch.equal(flat["model.layers.0.self_attn.o_proj.weight"], base["model.layers.0.self_attn.o_proj.weight"])
+    assert not torch.equal(flat["model.layers.0.self_attn.q_proj.weight"], base["model.layers.0.self_attn.q_proj.weight"])
+
+
+def test_fold_never_accumulates():
+    base, ad = _setup()
+    weights = BaseWeights.from_tensors(base)
+    first = {k: v for b in fold_buckets(ad, weights, bucket_bytes=1 << 30) for k, v in b.items()}
+    second = {k: v for b in fold_buckets(ad, weights, bucket_bytes=1 << 30) for k, v in b.items()}
+    for k in first:
+        assert torch.equal(first[k], second[k])

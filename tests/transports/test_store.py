@@ -1,0 +1,72 @@
+"""DiskStore: atomic, immutable, versioned directories; crashes leave nothing visible."""
+
+import os
+
+import pytest
+import torch
+from peft import LoraConfig
+
+from lorasync import Adapter, AdapterConfig
+from lorasync.errors import PublishError
+from lorasync.transports import DiskStore
+
+
+def _adapter(seed=0, r=4):
+    g = torch.Generator().manual_seed(seed)
+    m = "model.layers.0.self_attn.q_proj"
+    return Adapter(
+        {f"base_model.model.{m}.lora_A.weight": torch.randn(r, 32, generator=g), f"base_model.model.{m}.lora_B.weight": torch.randn(32, r, generator=g)},
+        AdapterConfig(r=r, lora_alpha=8),
+    )
+
+
+def test_write_is_complete_and_loadable(tmp_path):
+    store = DiskStore(tmp_path)
+    ad = _adapter()
+    path, written = store.write(ad, "policy", 3)
+    assert path == tmp_path / "policy" / "v3" and written > ad.nbytes
+    assert sorted(os.listdir(path)) == ["adapter_config.json", "adapter_model.safetensors", "lorasync.json"]
+    again = Adapter.load(path)
+    assert again.content_hash == ad.content_hash
+    assert LoraConfig.from_pretrained(str(path)).r == 4
+    assert store.versions("policy") == [3] and store.content_hash("policy", 3) == ad.content_hash
+
+
+def test_versions_are_immutable_and_idempotent(tmp_path):
+    store = DiskStore(tmp_path)
+    store.write(_adapter(0), "p", 1)
+    assert store.write(_adapter(0), "p", 1)[1] == 0  # identical: nothing written
+    with pytest.raises(PublishError, match="immutable"):
+        store.write(_adapter(1), "p", 1)
+    assert Adapter.load(tmp_path / "p" / "v1").content_hash == _adapter(0).content_hash
+
+
+def test_remove_and_sweep_leftovers_of_dead_writers(tmp_path):
+    store = DiskStore(tmp_path)
+    store.write(_adapter(0), "p", 1)
+    # A publisher killed mid-write leaves a temp dir named with its (dead) pid.
+    dead = tmp_path / "p" / ".tmp-v2-999999999-deadbeef"
+    dead.mkdir()
+    (dead / "adapter_model.safetensors").write_bytes(b"partial")
+    assert store.versions("p") == [1]
+    store.write(_adapter(1), "p", 2)
+    assert not dead.exists()
+    store.remove("p", 1)
+    assert store.versions("p") == [2]
+    assert sorted(e.name for e in (tmp_path / "p").iterdir()) == ["v2"]
+
+
+def test_write_failure_leaves_no_visible_version(tmp_path, monkeypatch):
+    store = DiskStore(tmp_path)
+
+    def boom(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "rename", boom)
+    from lorasync.errors import StorageError
+
+    with pytest.raises(StorageError, match="free space"):
+        store.write(_adapter(), "p", 1)
+    monkeypatch.undo()
+    assert store.versions("p") == []
+    assert not (tmp_path / "p" / "v1").exists()
