@@ -243,6 +243,13 @@ class PeftEngine(Engine):
     def close(self) -> None:
         """Nothing to release: the model is freed with the engine."""
 
+    @property
+    def model(self) -> Any:
+        """The module that serves now: the ``PeftModel`` while adapters are loaded, else the
+        base model. For inspection; mutate it only through the engine's methods."""
+        with self._lock:
+            return self._peft if self._peft is not None else self._base
+
     # -- inference helpers --------------------------------------------------------------------
 
     def generate(self, prompt_ids: Sequence[int], *, adapter: str | None = None, max_new_tokens: int = 8) -> list[int]:
@@ -414,7 +421,7 @@ class PeftEngine(Engine):
                 engine=self.kind,
                 adapter=adapter,
             ) from exc
-        except (ValueError, KeyError, TypeError, RuntimeError) as exc:
+        except (ValueError, KeyError, IndexError, TypeError, RuntimeError) as exc:
             if op != "load":
                 raise EngineError(f"peft engine failed during {op}: {exc}", engine=self.kind, adapter=adapter) from exc
             message = str(exc)
