@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import os
 import threading
 import warnings
@@ -40,6 +41,8 @@ from lorasync.errors import (
 )
 
 __all__ = ["PeftEngine"]
+
+logger = logging.getLogger("lorasync")
 
 
 class PeftEngine(Engine):
@@ -85,7 +88,9 @@ class PeftEngine(Engine):
     ) -> None:
         if isinstance(model, (str, os.PathLike)):
             if base_model_path is not None:
-                raise ConfigError("give the base model either as the URL/model argument or as base_model_path=, not both")
+                raise ConfigError(
+                    "give the base model either as the URL/model argument or as base_model_path=, not both"
+                )
             model, base_model_path = None, model
         if (model is None) == (base_model_path is None):
             raise ConfigError(
@@ -205,7 +210,7 @@ class PeftEngine(Engine):
                     self._peft = None
                 else:
                     remaining = next(s for n, s in self._slots.items() if n != name)
-                    self._peft.set_adapter(remaining)  # never delete the active adapter
+                    self._peft.set_adapter(remaining, inference_mode=True)  # never delete the active one
                     self._peft.delete_adapter(slot)
             del self._slots[name]
 
@@ -346,7 +351,10 @@ class PeftEngine(Engine):
                 _check_load_result(result, slot, name)
                 self._peft.eval()
             except BaseException:
-                self._rollback(slot, created)
+                try:
+                    self._rollback(slot, created)
+                except Exception:  # keep the load's own error; the rollback's goes to the log
+                    logger.exception("peft engine: rolling back adapter %r failed", name)
                 raise
         self._slots[name] = slot
 
@@ -359,7 +367,7 @@ class PeftEngine(Engine):
         elif slot in self._peft.peft_config:
             active = self._peft.active_adapter
             if active == slot:
-                self._peft.set_adapter(next(iter(self._slots.values())))
+                self._peft.set_adapter(next(iter(self._slots.values())), inference_mode=True)
             self._peft.delete_adapter(slot)
 
     @contextlib.contextmanager
@@ -379,7 +387,7 @@ class PeftEngine(Engine):
                 engine=self.kind,
                 adapter=adapter,
             )
-        self._peft.set_adapter(slot)
+        self._peft.set_adapter(slot, inference_mode=True)
         yield self._peft
 
     def _base_parameter(self, name: str) -> torch.nn.Parameter:
@@ -426,16 +434,16 @@ class PeftEngine(Engine):
                 raise EngineError(f"peft engine failed during {op}: {exc}", engine=self.kind, adapter=adapter) from exc
             message = str(exc)
             incompatible = "not found in the base model" in message or "size mismatch" in message
-            cls = IncompatibleAdapterError if incompatible else AdapterRejectedError
-            raise cls(
+            rejected: type[EngineError] = IncompatibleAdapterError if incompatible else AdapterRejectedError
+            raise rejected(
                 f"the peft engine rejected adapter {adapter!r}: {message}; check that it was trained on this "
                 "base model",
                 engine=self.kind,
                 adapter=adapter,
             ) from exc
         except OSError as exc:
-            cls = AdapterRejectedError if op == "load" else EngineError
-            raise cls(f"peft engine I/O failed during {op}: {exc}", engine=self.kind, adapter=adapter) from exc
+            failed: type[EngineError] = AdapterRejectedError if op == "load" else EngineError
+            raise failed(f"peft engine I/O failed during {op}: {exc}", engine=self.kind, adapter=adapter) from exc
 
 
 def _read_peft_config(directory: Path) -> Any:
@@ -485,7 +493,8 @@ def _load_base(path: Path, dtype: torch.dtype) -> Any:
 
 
 def _device(model: Any) -> torch.device:
-    return next(model.parameters()).device
+    param: torch.Tensor = next(model.parameters())
+    return param.device
 
 
 def _pad_id(model: Any) -> int | None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -160,7 +160,7 @@ class EngineConformance:
     # -- errors -------------------------------------------------------------------------------
 
     def test_errors_are_lorasync_errors_with_a_message(self, engine: Engine, tmp_path: Path, loaded: str) -> None:
-        attempts = [
+        attempts: list[Callable[[], None]] = [
             lambda: engine.unload_adapter(_fresh_name("unknown")),
             lambda: engine.load_adapter(loaded, tmp_path),
             lambda: engine.load_adapter(_fresh_name("empty"), tmp_path),

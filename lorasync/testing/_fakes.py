@@ -167,7 +167,9 @@ class FakeEngine(Engine):
         if result is None:
             return Capabilities(engine=self.kind, url=self.url)
         if not isinstance(result, Capabilities):
-            raise ConfigError(f"the FakeEngine handler returned {result!r} for 'capabilities'; return a Capabilities or None")
+            raise ConfigError(
+                f"the FakeEngine handler returned {result!r} for 'capabilities'; return a Capabilities or None"
+            )
         return result
 
 

@@ -283,6 +283,21 @@ def test_a_failed_load_changes_nothing(
     assert engine.generate(PROMPT, adapter="policy@v2") == policy["v2"]["tokens"]
 
 
+@pytest.mark.parametrize("first", [False, True], ids=["with-previous", "first-load"])
+def test_a_failed_tensor_load_changes_nothing(engine: PeftEngine, policy: dict[str, Any], first: bool) -> None:
+    if not first:
+        engine.load_adapter_tensors("policy@v1", policy["v1"]["adapter"])
+    served = engine.logprobs(PROMPT, adapter=None if first else "policy@v1")
+    lora_params = _lora_params(engine)
+
+    with pytest.raises(IncompatibleAdapterError, match="size mismatch"):
+        engine.load_adapter_tensors("policy@v2", _module_adapter("model.layers.1.mlp.up_proj", 128, 512))
+
+    assert engine.list_adapters() == ([] if first else ["policy@v1"])
+    assert _lora_params(engine) == lora_params
+    assert torch.equal(engine.logprobs(PROMPT, adapter=None if first else "policy@v1"), served)
+
+
 def test_duplicate_and_unknown_names(engine: PeftEngine, policy: dict[str, Any]) -> None:
     engine.load_adapter("policy", policy["v1"]["dir"])
     with pytest.raises(AdapterAlreadyLoadedError, match="unload it first"):

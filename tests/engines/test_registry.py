@@ -181,8 +181,13 @@ def test_builtins_come_from_lorasyncs_own_entry_points() -> None:
 
 
 def test_importing_lorasync_imports_no_engine_implementation() -> None:
-    code = "import sys, lorasync, lorasync.engines; print(sorted(m for m in sys.modules if m.startswith(('lorasync.engines.', 'transformers'))))"
-    out = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=120, check=True)
+    code = (
+        "import sys, lorasync, lorasync.engines\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('lorasync.engines.', 'transformers'))))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=120, check=True
+    )
     loaded = out.stdout.strip()
     assert "peft_local" not in loaded and "vllm" not in loaded and "transformers" not in loaded, loaded
 
