@@ -109,6 +109,9 @@ class PeftEngine(Engine):
         self._slots: dict[str, str] = {}  # served name -> internal PEFT adapter name
         self._slot_ids = itertools.count()
         self._lock = threading.RLock()
+        # Held from begin_weight_update to end_weight_update (possibly by different threads, so
+        # a plain Lock): inference waits instead of seeing half of a merged update.
+        self._update_gate = threading.Lock()
 
     # -- the Engine protocol ------------------------------------------------------------------
 
@@ -125,6 +128,7 @@ class PeftEngine(Engine):
             weight_update=True,
             load_inplace=False,
             same_host=True,
+            in_process=True,
         )
 
     def load_adapter(self, name: str, path: str | os.PathLike[str]) -> None:
@@ -244,6 +248,23 @@ class PeftEngine(Engine):
             with self._translate("update_weights", None), torch.no_grad():
                 for param, _, tensor in targets:
                     param.copy_(tensor.detach().to(device=param.device, dtype=param.dtype))
+
+    def begin_weight_update(self) -> None:
+        """Hold inference until :meth:`end_weight_update` (waits for running inference)."""
+        self._update_gate.acquire()
+
+    def end_weight_update(self) -> None:
+        if self._update_gate.locked():
+            self._update_gate.release()
+
+    def greedy(self, name: str | None, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
+        """Greedy tokens after ``prompt_ids`` with adapter ``name`` and each one's log-prob."""
+        with self._update_gate:
+            tokens = self.generate(prompt_ids, adapter=name, max_new_tokens=max_tokens)
+            if not tokens:
+                return [], []
+            rows = self.logprobs(list(prompt_ids) + tokens[:-1], adapter=name)[len(prompt_ids) - 1 :]
+        return tokens, [float(rows[i, t]) for i, t in enumerate(tokens)]
 
     def close(self) -> None:
         """Nothing to release: the model is freed with the engine."""
