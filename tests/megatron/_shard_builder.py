@@ -135,7 +135,7 @@ def qkv_rows(g: Geo) -> tuple[list[int], list[int], list[int]]:
 
 def interleave_qkv(bq: torch.Tensor, bk: torch.Tensor, bv: torch.Tensor, g: Geo) -> torch.Tensor:
     q, k, v = qkv_rows(g)
-    fused = torch.full((len(q) + len(k) + len(v), bq.shape[1]), float("nan"))
+    fused = torch.full((len(q) + len(k) + len(v), bq.shape[1]), float("nan"), dtype=bq.dtype)
     fused[q], fused[k], fused[v] = bq, bk, bv
     assert not fused.isnan().any()
     return fused
@@ -151,9 +151,9 @@ def _pad(peft: dict[str, torch.Tensor], max_rank: int) -> dict[str, torch.Tensor
     out = {}
     for key, t in peft.items():
         if key.endswith("lora_A.weight"):
-            out[key] = torch.cat([t, torch.zeros(max_rank - t.shape[0], t.shape[1])], 0)
+            out[key] = torch.cat([t, torch.zeros(max_rank - t.shape[0], t.shape[1], dtype=t.dtype)], 0)
         else:
-            out[key] = torch.cat([t, torch.zeros(t.shape[0], max_rank - t.shape[1])], 1)
+            out[key] = torch.cat([t, torch.zeros(t.shape[0], max_rank - t.shape[1], dtype=t.dtype)], 1)
     return out
 
 
