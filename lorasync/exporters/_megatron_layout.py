@@ -59,6 +59,7 @@ class Geometry:
     layers: int
     experts: int = 0
     expert_intermediate: int = 0
+    model_type: str = ""
 
     @classmethod
     def from_config(cls, config: str | os.PathLike[str] | Mapping[str, Any] | Any) -> Geometry:
@@ -83,7 +84,10 @@ class Geometry:
         experts = next((int(data[k]) for k in _EXPERT_COUNT_KEYS if data.get(k)), 0)
         intermediate = int(data.get("intermediate_size") or 0)
         expert_intermediate = int(data.get("moe_intermediate_size") or intermediate) if experts else 0
-        geometry = cls(hidden, heads, kv_heads, head_dim, intermediate, layers, experts, expert_intermediate)
+        geometry = cls(
+            hidden, heads, kv_heads, head_dim, intermediate, layers, experts, expert_intermediate,
+            str(data.get("model_type") or ""),
+        )
         geometry._validate()
         return geometry
 

@@ -20,6 +20,7 @@ from typing import Literal
 from lorasync.errors import ConfigError, UnknownModuleError
 
 __all__ = [
+    "MOE_MODEL_TYPES",
     "RULES",
     "MegatronName",
     "MegatronRef",
@@ -70,6 +71,10 @@ RULES: tuple[ModuleRule, ...] = (
     ModuleRule("mlp.experts.local_experts.{e}.linear_fc2", ("mlp.experts.{E}.down_proj",), "row", experts="sequential"),
     ModuleRule("mlp.router", ("mlp.gate",), "replicated"),
 )
+
+# HF model types whose MoE blocks use the names above (``mlp.experts.{E}.gate_proj``, ``mlp.gate``).
+# Others (Mixtral's ``block_sparse_moe.experts.{E}.w1`` ...) would get wrong names, so they are refused.
+MOE_MODEL_TYPES = frozenset({"qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "olmoe"})
 
 _NAME = re.compile(
     r"^decoder\.layers\.(?P<layer>\d+)\.(?P<path>.+?)"

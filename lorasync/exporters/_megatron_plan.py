@@ -15,9 +15,9 @@ from typing import Any, Literal
 
 import torch
 
-from lorasync.errors import ConfigError, GeometryError, MissingShardError, UnknownAdapterNameError
+from lorasync.errors import ConfigError, GeometryError, MissingShardError, UnknownAdapterNameError, UnknownModuleError
 from lorasync.exporters._megatron_layout import Geometry, factor_dims, stage_offsets
-from lorasync.exporters._megatron_names import RULES, ModuleRule, Side, hf_modules, parse_name
+from lorasync.exporters._megatron_names import MOE_MODEL_TYPES, RULES, ModuleRule, Side, hf_modules, parse_name
 
 __all__ = ["LORA_TYPES", "FactorPlan", "Grid", "ModulePlan", "ShardKey", "build_plan"]
 
@@ -196,6 +196,13 @@ def build_plan(
             expert = _global_expert(parsed.local_expert, key.ep, grid, geometry, name) if rule.experts == "sequential" else None
             if rule.experts and not geometry.experts:
                 raise GeometryError(f"{name!r} is an expert adapter but the base config has no MoE experts")
+            if (rule.experts or rule.megatron == "mlp.router") and geometry.model_type not in MOE_MODEL_TYPES | {""}:
+                raise UnknownModuleError(
+                    f"{name!r}: HF model type {geometry.model_type!r} names its MoE modules differently from "
+                    f"{sorted(MOE_MODEL_TYPES)} ('mlp.experts.{{E}}.gate_proj', 'mlp.gate'); exclude expert "
+                    "and router adapters or extend lorasync.exporters._megatron_names",
+                    key=name,
+                )
             entry = entries.setdefault(
                 (layer, rule.megatron, expert, parsed.sub, parsed.side),
                 {"rule": rule, "stage": (key.pp, key.vp), "names": {}, "meta": {}},

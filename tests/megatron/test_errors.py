@@ -197,3 +197,11 @@ def test_unreadable_base_config(tmp_path):
 def test_errors_share_the_export_root():
     for cls in (MissingShardError, GeometryError, UnknownModuleError, UnknownAdapterNameError):
         assert issubclass(cls, ExportError) and issubclass(cls, ValueError)
+
+
+def test_moe_models_with_other_expert_names_are_refused():
+    cfg, shards = _shards(config(experts=4), ep=2)
+    mixtral = dict(cfg, model_type="mixtral", num_local_experts=4)
+    del mixtral["num_experts"]
+    with pytest.raises(UnknownModuleError, match="mixtral"):
+        export(shards, base_config=mixtral, alpha=8)
