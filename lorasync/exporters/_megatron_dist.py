@@ -89,7 +89,8 @@ def export_distributed(
         deferred: LoraSyncError | None = None
         for module in plan:
             factors = [
-                _move(dist, f, chunks, me, dst_coord, ranks, grid, device, tp_group, ep_group) for f in (module.a, module.b)
+                _move(dist, f, chunks, me, dst_coord, ranks, grid, device, tp_group, ep_group)
+                for f in (module.a, module.b)
             ]
             if is_dst and deferred is None:
                 a, b = (t.to("cpu") for t in factors)  # type: ignore[union-attr]  # dst always receives

@@ -10,7 +10,7 @@ against the base model's geometry.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -73,12 +73,21 @@ class Grid:
 
     def keys(self) -> list[ShardKey]:
         return [
-            ShardKey(p, t, e, v) for p in range(self.pp) for t in range(self.tp) for e in range(self.ep) for v in range(self.vp)
+            ShardKey(p, t, e, v)
+            for p in range(self.pp)
+            for t in range(self.tp)
+            for e in range(self.ep)
+            for v in range(self.vp)
         ]
 
     @classmethod
     def of_keys(
-        cls, keys: Iterable[ShardKey], *, tp_size: int | None = None, pp_size: int | None = None, ep_size: int | None = None
+        cls,
+        keys: Iterable[ShardKey],
+        *,
+        tp_size: int | None = None,
+        pp_size: int | None = None,
+        ep_size: int | None = None,
     ) -> Grid:
         """The grid spanned by ``keys`` (explicit sizes win), checked for completeness.
 
@@ -134,13 +143,12 @@ class ModulePlan:
     sub: str | None  # CanonicalLoRA sub-adapter
     a: FactorPlan
     b: FactorPlan
-    hf: tuple[str, ...] = field(default=())
+    hf: tuple[str, ...]
 
     @property
     def label(self) -> str:
-        sub = f".{self.sub}" if self.sub else ""
-        expert = f"[expert {self.expert}]" if self.expert is not None else ""
-        return f"decoder.layers.{self.layer}.{self.rule.megatron}{expert}.adapter{sub}"
+        """The Megatron adapter this plan reads, for messages."""
+        return _label(self.layer, self.rule, self.expert, self.sub)
 
 
 def _shard_label(key: tuple[int, int, int, int]) -> str:
@@ -172,6 +180,40 @@ def build_plan(
     if lora_type not in LORA_TYPES:
         raise ConfigError(f"lora_type must be one of {LORA_TYPES}, got {lora_type!r}")
     offsets = stage_offsets(geometry.layers, grid.pp, grid.vp, layer_offsets)
+    entries = _collect(meta, grid, geometry, offsets, lora_type=lora_type, slot=slot)
+    factors = {k: _factor(k, e, grid) for k, e in entries.items()}
+    order = {rule.megatron: i for i, rule in enumerate(RULES)}
+    keys = sorted(
+        {k[:4] for k in factors}, key=lambda k: (k[0], order[k[1]], -1 if k[2] is None else k[2], k[3] or "")
+    )
+    modules: list[ModulePlan] = []
+    for layer, megatron, expert, sub in keys:
+        a, b = factors.get((layer, megatron, expert, sub, "A")), factors.get((layer, megatron, expert, sub, "B"))
+        rule = entries[(layer, megatron, expert, sub, "A" if a else "B")]["rule"]
+        if a is None or b is None:
+            have, lacks = ("linear_in", "linear_out") if b is None else ("linear_out", "linear_in")
+            raise MissingShardError(
+                f"{_label(layer, rule, expert, sub)} has {have} but no {lacks}; every adapter needs both factors"
+            )
+        hf = hf_modules(rule, layer, expert=expert)
+        if sub is not None:
+            hf = (hf[rule.subs.index(sub)],)
+        plan = ModulePlan(layer, rule, expert, sub, a, b, hf)
+        _check_module(plan, grid, geometry)
+        modules.append(plan)
+    return modules
+
+
+def _collect(
+    meta: Mapping[ShardKey, ShardMeta],
+    grid: Grid,
+    geometry: Geometry,
+    offsets: Mapping[tuple[int, int], int],
+    *,
+    lora_type: str,
+    slot: int | None,
+) -> dict[tuple[Any, ...], dict[str, Any]]:
+    """Group shard tensors by (global layer, module, expert, sub-adapter, side)."""
     entries: dict[tuple[Any, ...], dict[str, Any]] = {}
     slots_seen: set[int | None] = set()
     for key, shard in meta.items():
@@ -182,30 +224,19 @@ def build_plan(
             slots_seen.add(parsed.slot)
             if parsed.slot != slot:
                 continue
-            rule = parsed.rule
-            if lora_type == "lora" and parsed.sub is not None:
-                raise ConfigError(f"{name!r} is a CanonicalLoRA sub-adapter; export with lora_type='canonical_lora'")
-            if lora_type == "canonical_lora" and rule.subs and parsed.sub is None:
-                raise ConfigError(f"{name!r} is a fused LoRA adapter; export with lora_type='lora'")
+            _check_name(name, parsed.rule, parsed.sub, geometry, lora_type)
             layer = offsets[(key.pp, key.vp)] + parsed.layer
             if layer >= geometry.layers:
                 raise GeometryError(
                     f"{name!r} in shard {_shard_label((key.pp, key.tp, key.ep, key.vp))} maps to global layer "
                     f"{layer}, but the base model has {geometry.layers}; check layer_offsets and the PP size"
                 )
-            expert = _global_expert(parsed.local_expert, key.ep, grid, geometry, name) if rule.experts == "sequential" else None
-            if rule.experts and not geometry.experts:
-                raise GeometryError(f"{name!r} is an expert adapter but the base config has no MoE experts")
-            if (rule.experts or rule.megatron == "mlp.router") and geometry.model_type not in MOE_MODEL_TYPES | {""}:
-                raise UnknownModuleError(
-                    f"{name!r}: HF model type {geometry.model_type!r} names its MoE modules differently from "
-                    f"{sorted(MOE_MODEL_TYPES)} ('mlp.experts.{{E}}.gate_proj', 'mlp.gate'); exclude expert "
-                    "and router adapters or extend lorasync.exporters._megatron_names",
-                    key=name,
-                )
+            expert = None
+            if parsed.rule.experts == "sequential":
+                expert = _global_expert(parsed.local_expert, key.ep, grid, geometry, name)
             entry = entries.setdefault(
-                (layer, rule.megatron, expert, parsed.sub, parsed.side),
-                {"rule": rule, "stage": (key.pp, key.vp), "names": {}, "meta": {}},
+                (layer, parsed.rule.megatron, expert, parsed.sub, parsed.side),
+                {"rule": parsed.rule, "stage": (key.pp, key.vp), "names": {}, "meta": {}},
             )
             if entry["stage"] != (key.pp, key.vp):
                 raise GeometryError(
@@ -229,27 +260,28 @@ def build_plan(
         raise UnknownAdapterNameError(
             "the shards hold no Megatron-Bridge LoRA weights ('...adapter.linear_in/linear_out.weight')"
         )
+    return entries
 
-    factors = {k: _factor(k, e, grid) for k, e in entries.items()}
-    modules: list[ModulePlan] = []
-    order = {rule.megatron: i for i, rule in enumerate(RULES)}
-    keys = sorted(
-        {k[:4] for k in factors}, key=lambda k: (k[0], order[k[1]], -1 if k[2] is None else k[2], k[3] or "")
-    )
-    for layer, megatron, expert, sub in keys:
-        a, b = factors.get((layer, megatron, expert, sub, "A")), factors.get((layer, megatron, expert, sub, "B"))
-        rule = entries[(layer, megatron, expert, sub, "A" if a else "B")]["rule"]
-        plan = ModulePlan(layer, rule, expert, sub, a, b)  # type: ignore[arg-type]  # checked next
-        if a is None or b is None:
-            have, lacks = ("linear_in", "linear_out") if b is None else ("linear_out", "linear_in")
-            raise MissingShardError(f"{plan.label} has {have} but no {lacks}; every adapter needs both factors")
-        hf = hf_modules(rule, layer, expert=expert)
-        if sub is not None:
-            hf = (hf[rule.subs.index(sub)],)
-        plan = ModulePlan(layer, rule, expert, sub, a, b, hf)
-        _check_module(plan, grid, geometry)
-        modules.append(plan)
-    return modules
+
+def _check_name(name: str, rule: ModuleRule, sub: str | None, geometry: Geometry, lora_type: str) -> None:
+    if lora_type == "lora" and sub is not None:
+        raise ConfigError(f"{name!r} is a CanonicalLoRA sub-adapter; export with lora_type='canonical_lora'")
+    if lora_type == "canonical_lora" and rule.subs and sub is None:
+        raise ConfigError(f"{name!r} is a fused LoRA adapter; export with lora_type='lora'")
+    if rule.experts and not geometry.experts:
+        raise GeometryError(f"{name!r} is an expert adapter but the base config has no MoE experts")
+    if (rule.experts or rule.megatron == "mlp.router") and geometry.model_type not in MOE_MODEL_TYPES | {""}:
+        raise UnknownModuleError(
+            f"{name!r}: HF model type {geometry.model_type!r} names its MoE modules differently from "
+            f"{sorted(MOE_MODEL_TYPES)} ('mlp.experts.{{E}}.gate_proj', 'mlp.gate'); exclude expert "
+            "and router adapters or extend lorasync.exporters._megatron_names",
+            key=name,
+        )
+
+
+def _label(layer: int, rule: ModuleRule, expert: int | None, sub: str | None) -> str:
+    tail = f"[expert {expert}]" if expert is not None else ""
+    return f"decoder.layers.{layer}.{rule.megatron}{tail}.adapter{f'.{sub}' if sub else ''}"
 
 
 def _global_expert(local: int | None, ep: int, grid: Grid, geometry: Geometry, name: str) -> int:
@@ -287,7 +319,7 @@ def _factor(key: tuple[Any, ...], entry: Mapping[str, Any], grid: Grid) -> Facto
         mode, eps = "cat", tuple(range(grid.ep))
     else:
         mode, eps = "replicated", tuple(complete)
-    need = [(t, e) for e in (eps if mode != "replicated" else eps[:1] or (0,)) for t in range(grid.tp)]
+    need = [(t, e) for e in (eps or (0,)) for t in range(grid.tp)]
     for t, e in need:
         if (t, e) not in names:
             example = next(iter(names.values()))

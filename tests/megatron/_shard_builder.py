@@ -238,7 +238,10 @@ def build_shards(
                         emit(local, "mlp.linear_fc2", *row(p + "mlp.down_proj"))
                         continue
                     mine = [e * n_local + i for i in range(n_local)]
-                    ex = [(p + f"mlp.experts.{E}.gate_proj", p + f"mlp.experts.{E}.up_proj", p + f"mlp.experts.{E}.down_proj") for E in range(g.experts)]
+                    ex = [
+                        tuple(p + f"mlp.experts.{E}.{proj}" for proj in ("gate_proj", "up_proj", "down_proj"))
+                        for E in range(g.experts)
+                    ]
                     if experts == "sequential":
                         for i, E in enumerate(mine):
                             emit(local, f"mlp.experts.local_experts.{i}.linear_fc1", *fc1(ex[E][0], ex[E][1]))

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 import torch.multiprocessing as mp
-from _dist_worker import run
+from _megatron_dist_worker import run
 from _shard_builder import build_shards, config, make_peft
 from safetensors.torch import load_file
 
