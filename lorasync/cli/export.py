@@ -16,16 +16,17 @@ import glob
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from lorasync.errors import ConfigError, MissingShardError, StorageError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["load_shard", "register", "run_megatron", "shard_files"]
 
 _FIELD = re.compile(r"\{(tp|pp|ep|vp)(?::([^{}]*))?\}")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = ("float32", "bfloat16", "float16")  # torch dtype names; torch loads only when a command runs
 
 
 def register(subparsers: Any) -> None:
@@ -53,7 +54,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--tp-size", type=int, default=None, help="expected TP size (detects missing trailing ranks)")
     p.add_argument("--pp-size", type=int, default=None, help="expected PP size")
     p.add_argument("--ep-size", type=int, default=None, help="expected EP size")
-    p.add_argument("--dtype", choices=tuple(_DTYPES), default=None, help="cast the exported tensors")
+    p.add_argument("--dtype", choices=_DTYPES, default=None, help="cast the exported tensors")
     p.add_argument("--base-model-name-or-path", default=None, help="recorded in adapter_config.json")
     p.set_defaults(handler=run_megatron)
 
@@ -70,6 +71,8 @@ def run_megatron(args: argparse.Namespace) -> int:
         ConfigError: a bad option value.
         ExportError: anything :func:`lorasync.exporters.megatron.export` refuses.
     """
+    import torch
+
     from lorasync.exporters.megatron import ShardKey, export
 
     offsets = None
@@ -95,7 +98,7 @@ def run_megatron(args: argparse.Namespace) -> int:
         tp_size=args.tp_size,
         pp_size=args.pp_size,
         ep_size=args.ep_size,
-        dtype=_DTYPES[args.dtype] if args.dtype else None,
+        dtype=getattr(torch, args.dtype) if args.dtype else None,
         base_model_name_or_path=args.base_model_name_or_path,
     )
     out = adapter.save(args.out)
@@ -146,6 +149,7 @@ def load_shard(path: Path, *, split_chunks: bool = True) -> list[dict[str, torch
     """
     import pickle
 
+    import torch
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -168,4 +172,6 @@ def load_shard(path: Path, *, split_chunks: bool = True) -> list[dict[str, torch
 
 
 def _tensors(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    import torch
+
     return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
