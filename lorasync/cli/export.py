@@ -1,7 +1,7 @@
 """``lorasync export megatron``: per-rank Megatron-Bridge adapter files → a PEFT adapter directory.
 
 The main CLI calls :func:`register` with its sub-parser collection; the parsed namespace carries
-``handler`` (:func:`run_megatron`), which returns the process exit code.
+``func`` (:func:`run_megatron`), which returns the process exit code.
 
 Shard files are found with a pattern whose placeholders ``{tp}``, ``{pp}``, ``{ep}`` and ``{vp}``
 take Python format specs, e.g. ``ckpt/mp_rank_{tp:02d}_{pp:03d}.safetensors``. A file counts only
@@ -56,7 +56,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--ep-size", type=int, default=None, help="expected EP size")
     p.add_argument("--dtype", choices=_DTYPES, default=None, help="cast the exported tensors")
     p.add_argument("--base-model-name-or-path", default=None, help="recorded in adapter_config.json")
-    p.set_defaults(handler=run_megatron)
+    p.set_defaults(func=run_megatron)
 
 
 def run_megatron(args: argparse.Namespace) -> int:

@@ -41,7 +41,7 @@ def test_safetensors_shards_to_adapter_dir(tmp_path, capsys):
         "--base-config", str(_write_config(tmp_path, cfg).parent), "--rank", "5", "--alpha", "10",
         "--out", str(tmp_path / "out"), "--tp-size", "2",
     ])
-    assert args.handler(args) == 0
+    assert args.func(args) == 0
     assert "from 4 shard files" in capsys.readouterr().out
     adapter = Adapter.load(tmp_path / "out")
     assert adapter.config.r == 5 and adapter.config.lora_alpha == 10
@@ -61,7 +61,7 @@ def test_pt_shards_with_legacy_model_wrapper(tmp_path):
         "--base-config", str(_write_config(tmp_path, cfg)), "--alpha", "8", "--out", str(tmp_path / "out"),
         "--dtype", "bfloat16",
     ])
-    assert args.handler(args) == 0
+    assert args.func(args) == 0
     adapter = Adapter.load(tmp_path / "out")
     assert adapter.dtype == torch.bfloat16
     assert all(torch.equal(adapter.tensors[k], v.to(torch.bfloat16)) for k, v in peft.items())
@@ -73,7 +73,7 @@ def test_no_matching_files(tmp_path):
         "--alpha", "8", "--out", str(tmp_path / "out"),
     ])
     with pytest.raises(MissingShardError, match="no file matches"):
-        args.handler(args)
+        args.func(args)
 
 
 def test_pickled_objects_are_refused(tmp_path):
@@ -83,4 +83,4 @@ def test_pickled_objects_are_refused(tmp_path):
         "--alpha", "8", "--out", str(tmp_path / "out"),
     ])
     with pytest.raises(StorageError, match="only tensors"):
-        args.handler(args)
+        args.func(args)
