@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
+import tenacity
 
 from lorasync.errors import ConfigError
-
-if TYPE_CHECKING:
-    import tenacity
 
 __all__ = ["RetryPolicy", "RetryableStatus"]
 
@@ -83,10 +81,6 @@ class RetryPolicy:
         return base + (rng or random).uniform(0, self.jitter)
 
     def _kwargs(self) -> dict[str, Any]:
-        # Imported here so `import lorasync` also works inside an engine's own venv (the vLLM
-        # worker extension), which has httpx but not tenacity.
-        import tenacity
-
         return {
             "stop": tenacity.stop_after_attempt(self.attempts),
             "wait": tenacity.wait_exponential(multiplier=self.backoff, max=self.backoff_max)
@@ -97,11 +91,7 @@ class RetryPolicy:
 
     def retrying(self) -> tenacity.Retrying:
         """A tenacity ``Retrying`` that executes this policy (``reraise=True``)."""
-        import tenacity
-
         return tenacity.Retrying(**self._kwargs())
 
     def async_retrying(self) -> tenacity.AsyncRetrying:
-        import tenacity
-
         return tenacity.AsyncRetrying(**self._kwargs())
