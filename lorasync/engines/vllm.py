@@ -116,8 +116,9 @@ class VLLMEngine(HTTPEngine):
 
     kind: ClassVar[str] = "vllm"
     api_key_env: ClassVar[str] = "VLLM_API_KEY"
-    #: Worker-extension method that answers a truthy value when lorasync's extension is loaded.
-    worker_extension_probe: ClassVar[str] = "lorasync_worker_extension_version"
+    #: Worker-extension method (``LoraSyncWorkerExtension.lorasync_ping``) that answers a truthy
+    #: value on every worker when lorasync's extension is loaded.
+    worker_extension_probe: ClassVar[str] = "lorasync_ping"
 
     def __init__(
         self,
@@ -250,6 +251,18 @@ class VLLMEngine(HTTPEngine):
             self._generate(prompt_token_ids, model, max_tokens, logprobs, ignore_eos), adapter=model
         )
 
+    def greedy(self, name: str | None, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
+        """Greedy tokens after ``prompt_ids`` with adapter ``name`` (None: the base model) and each
+        chosen token's log-probability; the verification probe's view of :meth:`generate`.
+
+        Raises:
+            AdapterNotFoundError, AuthenticationError, EngineUnavailableError, EngineError.
+        """
+        return self._run(self._greedy(name, prompt_ids, max_tokens), adapter=name)
+
+    async def agreedy(self, name: str | None, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
+        return await self._arun(self._greedy(name, prompt_ids, max_tokens), adapter=name)
+
     # -- operations (no I/O: yield a Call, receive its httpx.Response) -----------------------------
 
     def _capabilities(self) -> Operation[Capabilities]:
@@ -359,6 +372,20 @@ class VLLMEngine(HTTPEngine):
         if _dig(body_json(response), "data") is None:
             raise self._error(response, MODELS_ROUTE, None, EngineProtocolError, "listing models")
         return list(_adapter_roots(response))
+
+    def _greedy(
+        self, name: str | None, prompt_ids: Sequence[int], max_tokens: int
+    ) -> Operation[tuple[list[int], list[float]]]:
+        model = name
+        if model is None:
+            response = yield Call("GET", MODELS_ROUTE)
+            cards = _dig(body_json(response), "data") if response.status_code == 200 else None
+            bases = [c.get("id") for c in cards or [] if isinstance(c, dict) and not c.get("parent")]
+            if not bases or not isinstance(bases[0], str):
+                raise self._error(response, MODELS_ROUTE, None, EngineProtocolError, "listing the base model")
+            model = bases[0]
+        completion = yield from self._generate(prompt_ids, model, max_tokens, 1, True)
+        return list(completion.token_ids), list(completion.logprobs or ())
 
     def _generate(
         self, prompt: Sequence[int], model: str, max_tokens: int, logprobs: int | None, ignore_eos: bool

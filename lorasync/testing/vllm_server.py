@@ -149,7 +149,8 @@ class VLLMServer:
     def environment(self) -> dict[str, str]:
         """The child's environment: this process's, switched as configured, plus overrides."""
         env = dict(os.environ)
-        for name, on in (("VLLM_ALLOW_RUNTIME_LORA_UPDATING", self.runtime_lora), ("VLLM_SERVER_DEV_MODE", self.dev_mode)):
+        switches = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": self.runtime_lora, "VLLM_SERVER_DEV_MODE": self.dev_mode}
+        for name, on in switches.items():
             if on:
                 env[name] = "1"
             else:

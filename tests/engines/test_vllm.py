@@ -123,6 +123,7 @@ def test_load_serves_peft_greedy_tokens_and_logprobs(
         assert got.logprobs is not None and got.top_logprobs is not None
         assert got.logprobs == pytest.approx(want_logprobs, abs=LOGPROB_ATOL)
         assert [max(step, key=step.get) for step in got.top_logprobs] == want_tokens
+        assert engine.greedy(name, prompt, NEW_TOKENS)[0] == want_tokens
     engine.unload_adapter(name)
 
 
@@ -183,7 +184,10 @@ def test_relative_path_is_sent_absolute(
 # -- every refusal of the real server, mapped -------------------------------------------------------
 
 
-def _variant(src: Path, dst: Path, *, config: dict[str, Any] | None = None, rename: Callable[[str], str] | None = None) -> Path:
+def _variant(
+    src: Path, dst: Path, *, config: dict[str, Any] | None = None, rename: Callable[[str], str] | None = None
+) -> Path:
+    """A copy of the adapter at ``src`` with config fields replaced or tensor keys renamed."""
     shutil.copytree(src, dst)
     if config:
         cfg_path = dst / "adapter_config.json"
@@ -279,7 +283,8 @@ def test_failed_loads_leave_served_adapters_alone(
     name = unique("keep")
     engine.load_adapter(name, adapter_dirs["one"])
     before = [engine.generate(p, model=name, max_tokens=NEW_TOKENS).token_ids for p in PROMPTS]
-    for bad in (rank32_dir, tmp_path / "missing", _variant(adapter_dirs["two"], tmp_path / "d", config={"use_dora": True})):
+    dora = _variant(adapter_dirs["two"], tmp_path / "dora", config={"use_dora": True})
+    for bad in (rank32_dir, tmp_path / "missing", dora):
         with pytest.raises(EngineError):
             engine.load_adapter(unique("bad"), bad)
     assert [engine.generate(p, model=name, max_tokens=NEW_TOKENS).token_ids for p in PROMPTS] == before
@@ -357,6 +362,8 @@ def test_async_twins(vllm_server: Any, adapter_dirs: dict[str, Path], peft_model
             assert [list(r.token_ids) for r in results] == [
                 peft_greedy(peft_models["two"], p, NEW_TOKENS)[0] for p in PROMPTS
             ]
+            tokens, logprobs = await engine.agreedy(name, PROMPTS[0], NEW_TOKENS)
+            assert (tokens, logprobs) == (list(results[0].token_ids), list(results[0].logprobs or ()))
             with pytest.raises(AdapterAlreadyLoadedError):
                 await engine.aload_adapter(name, adapter_dirs["one"])
             await engine.aunload_adapter(name)
