@@ -39,7 +39,7 @@ def vllm_python() -> Path:
 
 
 @pytest.fixture(scope="session")
-def vllm_server(tiny_model_dir: Path, vllm_python: Path, tmp_path_factory: pytest.TempPathFactory):
+def vllm_server(vllm_python: Path, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     """One real vLLM CPU server for the whole run, on the tiny model, served as ``tiny-base``:
     LoRA on (max rank 16, 4 slots), runtime updating on, dev mode on."""
     from lorasync.testing.vllm_server import VLLMServer

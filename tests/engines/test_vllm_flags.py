@@ -35,7 +35,7 @@ def adapter_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="class")
-def locked(tiny_model_dir: Path, vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
+def locked(vllm_python: Path, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
     server = VLLMServer(
         tiny_model_dir,
         python=vllm_python,
@@ -50,7 +50,7 @@ def locked(tiny_model_dir: Path, vllm_python: Path, tmp_path_factory: pytest.Tem
 
 
 @pytest.fixture(scope="class")
-def static(tiny_model_dir: Path, vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
+def static(vllm_python: Path, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
     server = VLLMServer(
         tiny_model_dir,
         python=vllm_python,
@@ -120,7 +120,7 @@ class TestWithoutLoraWithApiKey:
             engine.close()
         assert caplog.records, "expected DEBUG records from httpx"
         shown = [caplog.text, repr(engine), repr(locked), " ".join(locked.command()), *map(str, errors)]
-    shown.append(locked.log_text())  # vLLM prints its arguments at startup (it masks api_key itself)
+        shown.append(locked.log_text())  # vLLM prints its arguments at startup (it masks api_key itself)
         shown += [repr(e.context) for e in errors]
         assert errors and all(API_KEY not in text for text in shown)
         assert "***" in repr(engine)
