@@ -11,7 +11,7 @@ import json
 import shutil
 import subprocess
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -77,7 +77,7 @@ def adapter_dirs(peft_models: dict[str, Any], tmp_path_factory: pytest.TempPathF
 
 
 @pytest.fixture
-def engine(vllm_server: Any) -> VLLMEngine:
+def engine(vllm_server: Any) -> Iterator[VLLMEngine]:
     client = connect("vllm", vllm_server.url)
     assert isinstance(client, VLLMEngine)
     yield client
