@@ -176,6 +176,21 @@ class Publisher:
             timings=timings,
         )
 
+    def restore_base(self) -> None:
+        """Undo merged publishes: every engine this publisher merged into gets its pristine base
+        weights back (adapter-serving engines are untouched)."""
+        _run_sync(self.arestore_base)
+
+    async def arestore_base(self) -> None:
+        if self._merged is None:
+            return
+        for engine in self.engines:
+            state = self._state[id(engine)]
+            if state.merged is not None:
+                caps = state.caps or await engine.acapabilities()
+                await self._merged.restore(engine, caps)
+                state.merged = None
+
     def close(self) -> None:
         for engine in self.engines:
             engine.close()

@@ -41,9 +41,16 @@ def vllm_python() -> Path:
 @pytest.fixture(scope="session")
 def vllm_server(vllm_python: Path, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     """One real vLLM CPU server for the whole run, on the tiny model, served as ``tiny-base``:
-    LoRA on (max rank 16, 4 slots), runtime updating on, dev mode on."""
+    LoRA on (max rank 16, 4 slots), runtime updating on, dev mode on, lorasync's worker
+    extension loaded (IPC and merged transports)."""
     from lorasync.testing.vllm_server import VLLMServer
 
     log = tmp_path_factory.mktemp("vllm-logs") / "vllm-main.log"
-    with VLLMServer(tiny_model_dir, python=vllm_python, served_model_name="tiny-base", log_path=log) as server:
+    with VLLMServer(
+        tiny_model_dir,
+        python=vllm_python,
+        served_model_name="tiny-base",
+        log_path=log,
+        extra_args=("--worker-extension-cls", "lorasync.engines.vllm_worker.LoraSyncWorkerExtension"),
+    ) as server:
         yield server

@@ -20,22 +20,26 @@ Quirks handled here (see docs/engines/vllm.md):
 
 from __future__ import annotations
 
+import json
 import os
 import re
-from collections.abc import Sequence
+import uuid
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 from urllib.parse import urlsplit
 
 import httpx
 
 from lorasync._retry import RetryPolicy
+from lorasync.transports._shm import write_segment
 from lorasync.engines._base import Capabilities
 from lorasync.engines._http import Call, HTTPEngine, Operation, body_json, body_text
 from lorasync.errors import (
     AdapterAlreadyLoadedError,
     AdapterNotFoundError,
     AdapterRejectedError,
+    CapabilityError,
     ConfigError,
     EngineError,
     EngineProtocolError,
@@ -46,6 +50,11 @@ from lorasync.errors import (
     RuntimeLoraDisabledError,
 )
 
+if TYPE_CHECKING:
+    import torch
+
+    from lorasync._adapter import Adapter
+
 __all__ = ["Completion", "VLLMEngine"]
 
 LOAD_ROUTE = "/v1/load_lora_adapter"
@@ -55,6 +64,11 @@ COMPLETIONS_ROUTE = "/v1/completions"
 SERVER_INFO_ROUTE = "/server_info"
 RPC_ROUTE = "/collective_rpc"
 RUNTIME_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+# Must match lorasync.engines.vllm_worker (not imported here: it needs vLLM).
+IPC_PREFIX = "/lorasync-ipc/"
+CONFIG_KEY = "lorasync.adapter_config"
+# vLLM stores these HF projections as one fused weight: merged updates send whole groups.
+FUSED_MODULES = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 _RANK = re.compile(r"LoRA rank (\d+) is greater than max_lora_rank (\d+)")
 # Multiprocess executors wrap the worker's message: "... Worker failed with error '<msg>', please check ..."
@@ -202,6 +216,47 @@ class VLLMEngine(HTTPEngine):
     async def aunload_adapter(self, name: str) -> None:
         await self._arun(self._unload(name), adapter=name)
 
+    def load_adapter_tensors(self, name: str, adapter: Adapter) -> None:
+        """Load ``adapter`` as ``name`` from shared memory, without files.
+
+        Needs the lorasync worker extension (``--worker-extension-cls
+        lorasync.engines.vllm_worker.LoraSyncWorkerExtension``) and ``VLLM_SERVER_DEV_MODE=1``;
+        the name is registered through the normal load route, so OpenAI requests can select it.
+
+        Raises:
+            CapabilityError-like ``EngineError`` when the extension is missing, plus everything
+            :meth:`load_adapter` raises.
+        """
+        self._run(self._load_tensors(name, adapter), adapter=name)
+
+    async def aload_adapter_tensors(self, name: str, adapter: Adapter) -> None:
+        await self._arun(self._load_tensors(name, adapter), adapter=name)
+
+    def update_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> None:
+        """Replace base weights (HF names) through the worker extension, from shared memory.
+
+        Call between :meth:`begin_weight_update` and :meth:`end_weight_update`; a fused weight
+        (q/k/v, gate/up) must arrive whole in one call.
+        """
+        self._run(self._update_weights(named_tensors))
+
+    async def aupdate_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> None:
+        await self._arun(self._update_weights(named_tensors))
+
+    def begin_weight_update(self) -> None:
+        """Pause generation (in-flight requests finish first) before merged weight updates."""
+        self._run(self._pause())
+
+    async def abegin_weight_update(self) -> None:
+        await self._arun(self._pause())
+
+    def end_weight_update(self) -> None:
+        """Drop prefix-cache blocks computed with the old weights and resume generation."""
+        self._run(self._resume())
+
+    async def aend_weight_update(self) -> None:
+        await self._arun(self._resume())
+
     def list_adapters(self) -> list[str]:
         """Names of the LoRA adapters the server serves now (``/v1/models`` cards with a parent)."""
         return self._run(self._list())
@@ -280,7 +335,8 @@ class VLLMEngine(HTTPEngine):
             lora = isinstance(lora_config, dict)
             if isinstance(lora_config, dict):
                 max_rank = lora_config.get("max_lora_rank", max_rank)
-                max_loras = lora_config.get("max_loras", max_loras)
+                # The worker's LRU holds max_cpu_loras adapters (>= max_loras GPU slots).
+                max_loras = lora_config.get("max_cpu_loras") or lora_config.get("max_loras", max_loras)
                 if lora_config.get("target_modules"):
                     targets = frozenset(lora_config["target_modules"])
             extension_cls = _dig(config, "parallel_config", "worker_extension_cls") or ""
@@ -313,6 +369,7 @@ class VLLMEngine(HTTPEngine):
             weight_update=extension,
             load_inplace=False,
             same_host=self.same_host,
+            fused_modules=FUSED_MODULES,
             notes=tuple(notes),
         )
 
@@ -349,11 +406,69 @@ class VLLMEngine(HTTPEngine):
                 return
         raise self._load_error(response, name, lora_path, message)
 
+    def _load_tensors(self, name: str, adapter: Adapter) -> Operation[None]:
+        if not name:
+            raise ConfigError("adapter name must be a non-empty string")
+        token = uuid.uuid4().hex
+        config = json.dumps(adapter.config.to_peft().to_dict(), default=sorted)
+        segment = write_segment({k: t.detach().to("cpu") for k, t in adapter.tensors.items()}, {CONFIG_KEY: config})
+        try:
+            spec = json.dumps({"token": token, "shm": segment.name, "nbytes": segment.nbytes})
+            yield from self._rpc("lorasync_stage_adapter", spec, adapter=name)
+        finally:
+            # Every worker copied the tensors out (or failed): the segment is no longer needed.
+            segment.release()
+        try:
+            yield from self._load(name, IPC_PREFIX + token, False)
+        except BaseException:
+            yield from self._rpc("lorasync_release_adapter", token, adapter=name, check=False)
+            raise
+
+    def _update_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> Operation[None]:
+        segment = write_segment({k: t.detach().to("cpu") for k, t in named_tensors.items()})
+        try:
+            spec = json.dumps({"shm": segment.name, "nbytes": segment.nbytes})
+            yield from self._rpc("lorasync_update_weights", spec, adapter=None)
+        finally:
+            segment.release()
+
+    def _pause(self) -> Operation[None]:
+        response = yield Call("POST", "/pause", params={"mode": "wait"}, retry=False)
+        if response.status_code != 200:
+            raise self._generic(response, "/pause", None, _message(response), "pausing generation (needs VLLM_SERVER_DEV_MODE=1)")
+
+    def _resume(self) -> Operation[None]:
+        response = yield Call("POST", "/reset_prefix_cache")
+        if response.status_code != 200:
+            raise self._generic(response, "/reset_prefix_cache", None, _message(response), "resetting the prefix cache")
+        response = yield Call("POST", "/resume")
+        if response.status_code != 200:
+            raise self._generic(response, "/resume", None, _message(response), "resuming generation")
+
+    def _rpc(self, method: str, arg: str, *, adapter: str | None, check: bool = True) -> Operation[list[Any]]:
+        """Call a worker-extension method on every worker (``/collective_rpc``; args are strings)."""
+        response = yield Call("POST", RPC_ROUTE, json={"method": method, "args": [arg]}, retry=False)
+        results = _dig(body_json(response), "results") if response.status_code == 200 else None
+        if check and not isinstance(results, list):
+            if response.status_code == 404:
+                raise CapabilityError(
+                    f"{self.kind} at {self.url} has no /collective_rpc: start it with VLLM_SERVER_DEV_MODE=1 and "
+                    "--worker-extension-cls lorasync.engines.vllm_worker.LoraSyncWorkerExtension (or use transport='disk')",
+                    **self.error_context(RPC_ROUTE, adapter, response),
+                )
+            raise self._generic(response, RPC_ROUTE, adapter, _message(response), f"worker call {method}")
+        return results if isinstance(results, list) else []
+
     def _unload(self, name: str) -> Operation[None]:
         if not name:
             raise ConfigError("adapter name must be a non-empty string")
+        models = yield Call("GET", MODELS_ROUTE)
+        root = _adapter_roots(models).get(name) or ""
         response = yield Call("POST", UNLOAD_ROUTE, json={"lora_name": name})
         if response.status_code == 200:
+            if root.startswith(IPC_PREFIX):
+                # Tensors staged in the workers for this name are no longer reachable by requests.
+                yield from self._rpc("lorasync_release_adapter", root[len(IPC_PREFIX) :], adapter=name, check=False)
             return
         if _route_missing(response):
             raise self._disabled(response, UNLOAD_ROUTE, name)
