@@ -38,7 +38,7 @@ python3 -m venv "$venv"
   numpy orjson psutil pybase64 requests triton packaging pillow starlette msgspec pydantic \
   pyzmq tqdm ipython aiohttp dill apache-tvm-ffi sentencepiece compressed-tensors gguf openai \
   partial-json-parser uvicorn uvloop fastapi setproctitle einops jsonschema xgrammar soundfile \
-  python-multipart httpx safetensors "peft>=0.15" >&2
+  python-multipart httpx tenacity safetensors "peft>=0.15" >&2
 "$py" -c "$probe; import sglang; print('sglang', sglang.__version__)" >&2
 touch "$venv/.ready"
 echo "$py"
