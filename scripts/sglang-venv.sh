@@ -17,7 +17,8 @@ TORCHVISION_VERSION="${LORASYNC_SGLANG_TORCHVISION:-0.29.1}"
 cache="${LORASYNC_ENGINE_CACHE:-$HOME/.cache/lorasync}"
 venv="$cache/sglang-$SGLANG_VERSION"
 py="$venv/bin/python"
-probe="import sglang.srt.entrypoints.http_server, sglang.srt.managers.io_struct, peft, safetensors"
+# What the contract server (lorasync/testing/sglang_contract.py) and lorasync itself import.
+probe="import sglang.srt.entrypoints.http_server, sglang.srt.managers.io_struct, peft, safetensors, httpx, tenacity, uvicorn"
 
 if [ -f "$venv/.ready" ] && "$py" -c "$probe" >/dev/null 2>&1; then
   echo "$py"
@@ -25,20 +26,22 @@ if [ -f "$venv/.ready" ] && "$py" -c "$probe" >/dev/null 2>&1; then
 fi
 
 echo "building SGLang venv at $venv" >&2
+# pip warns about every local index folder it skips; keep real errors visible.
+quiet() { "$@" 2>&1 | grep -v "is ignored: it is neither" >&2 || true; }
 rm -rf "$venv"
 mkdir -p "$cache"
 python3 -m venv "$venv"
-"$py" -m pip install -q --upgrade pip >&2
-"$py" -m pip install -q "torch==$TORCH_VERSION" "torchvision==$TORCHVISION_VERSION" >&2
-"$py" -m pip install -q --no-deps "sglang==$SGLANG_VERSION" >&2
-# Import-time needs of sglang.srt.entrypoints.http_server, plus what the fake tokenizer
-# manager uses to read PEFT adapters the way SGLang does (safetensors, peft).
-"$py" -m pip install -q \
+quiet "$py" -m pip install -q --upgrade pip
+quiet "$py" -m pip install -q "torch==$TORCH_VERSION" "torchvision==$TORCHVISION_VERSION"
+quiet "$py" -m pip install -q --no-deps "sglang==$SGLANG_VERSION"
+# Import-time needs of sglang.srt.entrypoints.http_server, plus what lorasync and its
+# contract server import (httpx, tenacity, safetensors, peft).
+quiet "$py" -m pip install -q \
   "torch==$TORCH_VERSION" "torchvision==$TORCHVISION_VERSION" "transformers==5.19.0" \
   numpy orjson psutil pybase64 requests triton packaging pillow starlette msgspec pydantic \
   pyzmq tqdm ipython aiohttp dill apache-tvm-ffi sentencepiece compressed-tensors gguf openai \
   partial-json-parser uvicorn uvloop fastapi setproctitle einops jsonschema xgrammar soundfile \
-  python-multipart httpx tenacity safetensors "peft>=0.15" >&2
+  python-multipart httpx tenacity safetensors "peft>=0.15"
 "$py" -c "$probe; import sglang; print('sglang', sglang.__version__)" >&2
 touch "$venv/.ready"
 echo "$py"

@@ -234,6 +234,12 @@ def test_tensor_load_reaches_sglang_exactly(
     assert load["body"]["config_dict"]["peft_type"] == "LORA"
 
 
+def test_bf16_tensor_load(engine: SGLangEngine, adapters: dict[str, Path], tiny_model_dir: Path) -> None:
+    engine.load_adapter_tensors("bf16@v1", Adapter.load(adapters["qkvo"]).to(dtype=torch.bfloat16))
+    served = engine.generate(PROMPT, lora_name="bf16@v1", max_new_tokens=4)
+    assert list(served.output_ids) == _reference(tiny_model_dir, adapters["qkvo"])[0]
+
+
 def test_async_twins(engine: SGLangEngine, adapters: dict[str, Path], tiny_model_dir: Path) -> None:
     async def scenario() -> tuple[Any, ...]:
         caps = await engine.acapabilities()
