@@ -58,7 +58,7 @@ if TYPE_CHECKING:
 
     from lorasync._adapter import Adapter
 
-__all__ = ["GenerateResult", "SGLangEngine", "pad_ranks"]
+__all__ = ["GenerateResult", "SGLangEngine", "pad_ranks", "served_leaves"]
 
 DEFAULT_VERSION = "0.5.23"
 _TENSOR_ROUTE_SINCE = (0, 5, 10)
@@ -227,7 +227,8 @@ class SGLangEngine(HTTPEngine):
         return self._run(self._capabilities_op())
 
     def preflight(self, adapter: Adapter) -> None:
-        """Refuse, before any bytes move, an adapter this server would reject or serve wrongly.
+        """Refuse, before any bytes move, an adapter this server would reject or serve wrongly
+        when loaded from disk (tensor loads pad mixed ranks themselves).
 
         Raises:
             LoraNotEnabledError, CapabilityError (dp > 1 or several tokenizer workers),
@@ -389,7 +390,7 @@ class SGLangEngine(HTTPEngine):
             notes=tuple(notes),
         )
 
-    def _preflight_op(self, adapter: Adapter) -> Operation[dict[str, Any]]:
+    def _preflight_op(self, adapter: Adapter, *, pads: bool = False) -> Operation[dict[str, Any]]:
         info = yield from self._server_info_op()
         caps = self._capabilities_from(info)
         caps.check(adapter)
@@ -400,7 +401,7 @@ class SGLangEngine(HTTPEngine):
                 engine=self.kind,
                 url=self.url,
             )
-        _check_sglang_shape(adapter, self.url)
+        _check_sglang_shape(adapter, self.url, pads=pads)
         return info
 
     def _load_op(self, name: str, path: str, pinned: bool) -> Operation[None]:
@@ -411,7 +412,7 @@ class SGLangEngine(HTTPEngine):
         yield from self._lora_result(response, "/load_lora_adapter", name)
 
     def _load_tensors_op(self, name: str, adapter: Adapter, pinned: bool) -> Operation[None]:
-        info = yield from self._preflight_op(adapter)
+        info = yield from self._preflight_op(adapter, pads=True)
         caps = self._capabilities_from(info)
         version = self._version_or_default()
         if version < _TENSOR_ROUTE_SINCE or not caps.tensor_load:
@@ -656,13 +657,25 @@ class _NeedsRankCheck(EngineError):
     """Internal: the "incompatible" text covers rank and modules; server_info decides which."""
 
 
-def _check_sglang_shape(adapter: Adapter, url: str) -> None:
-    """SGLang-specific refusals that its own load would not raise, or raise cryptically."""
+def _check_sglang_shape(adapter: Adapter, url: str, *, pads: bool) -> None:
+    """SGLang-specific refusals that its own load would not raise, or raise cryptically.
+
+    ``pads``: the caller pads mixed ranks (tensor loads), so they are not refused.
+    """
     if not adapter.engine_safe_scaling:
         raise IncompatibleAdapterError(
             "SGLang scales every module by lora_alpha / r and ignores use_rslora, rank_pattern and "
             "alpha_pattern, so this adapter would be served with the wrong scale; convert it with "
             "lorasync.exporters.normalize_scaling(adapter) first",
+            engine="sglang",
+            url=url,
+        )
+    ranks = {adapter.pair(m)[0].shape[0] for m in adapter.modules}
+    if not pads and ranks != {adapter.config.r}:
+        raise IncompatibleAdapterError(
+            f"adapter has per-module ranks {sorted(ranks)} but SGLang ignores rank_pattern and sizes "
+            f"every module at r={adapter.config.r} (it fails at the first batch); write "
+            "lorasync.engines.sglang.pad_ranks(adapter) instead, which is exact",
             engine="sglang",
             url=url,
         )

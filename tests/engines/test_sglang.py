@@ -152,6 +152,8 @@ def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "mlp": dict(r=8, alpha=16, targets=("q_proj", "v_proj", "down_proj"), seed=4),
         "q_only": dict(r=8, alpha=16, targets=("q_proj",), seed=5),
         "rslora": dict(r=8, alpha=16, targets=("q_proj", "v_proj"), seed=6, use_rslora=True),
+        # per-module ranks with one global scale (2): SGLang-safe once padded
+        "mixed": dict(r=8, alpha=16, targets=("q_proj", "v_proj"), seed=7, rank_pattern={"q_proj": 4}, alpha_pattern={"q_proj": 8}),
     }
     out = {}
     for name, spec in specs.items():
@@ -232,6 +234,19 @@ def test_tensor_load_reaches_sglang_exactly(
     assert len(load["body"]["serialized_named_tensors"]) == 1  # one payload per TP rank (tp_size 1)
     assert set(load["body"]["expected_checksums"]) == set(adapter.tensors)
     assert load["body"]["config_dict"]["peft_type"] == "LORA"
+
+
+def test_mixed_ranks_are_padded_exactly(
+    engine: SGLangEngine, adapters: dict[str, Path], tiny_model_dir: Path
+) -> None:
+    adapter = Adapter.load(adapters["mixed"])
+    with pytest.raises(IncompatibleAdapterError, match="pad_ranks"):
+        engine.preflight(adapter)  # from disk SGLang would fail at the first batch
+    engine.load_adapter_tensors("mixed@v1", adapter)
+    tokens, logprobs = _reference(tiny_model_dir, adapters["mixed"])
+    served = engine.generate(PROMPT, lora_name="mixed@v1", max_new_tokens=4, return_logprob=True)
+    assert list(served.output_ids) == tokens
+    assert served.logprobs == pytest.approx(logprobs, abs=1e-4)
 
 
 def test_bf16_tensor_load(engine: SGLangEngine, adapters: dict[str, Path], tiny_model_dir: Path) -> None:

@@ -198,3 +198,15 @@ def test_texts_of_other_server_setups_map_to_typed_errors(status: int, body: Any
     with pytest.raises(error) as info:
         op.send(answer)
     assert type(info.value) is error and info.value.status == status
+
+
+def test_mixed_ranks_are_refused_for_disk_and_padded_for_tensors() -> None:
+    pattern = {"model.layers.0.self_attn.q_proj": 2}
+    adapter = _adapter(r=4, rank_pattern=pattern, alpha_pattern={m: 4.0 for m in pattern}, lora_alpha=8)
+    engine = SGLangEngine("http://sglang:30000", version="0.5.23")
+    op = engine._preflight_op(adapter)
+    next(op)
+    with pytest.raises(IncompatibleAdapterError, match="pad_ranks"):
+        op.send(httpx.Response(200, json=INFO))
+    calls = _drive(engine._load_tensors_op("a", adapter, False), {"/server_info": INFO, "/load_lora_adapter_from_tensors": OK_LORA})
+    assert calls[-1].json["config_dict"]["r"] == 4 and calls[-1].json["config_dict"]["lora_alpha"] == 8
