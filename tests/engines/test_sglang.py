@@ -8,11 +8,12 @@ skip when that venv is missing, and fail instead under LORASYNC_REQUIRE_SGLANG=1
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import subprocess
-import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ from lorasync.errors import (
     AdapterAlreadyLoadedError,
     AdapterNotFoundError,
     AdapterRejectedError,
+    AuthenticationError,
     EngineError,
     EngineUnavailableError,
     IncompatibleAdapterError,
@@ -47,11 +49,10 @@ PROMPT = [5, 17, 42, 99]
 
 
 def _sglang_python() -> str | None:
-    explicit = os.environ.get("LORASYNC_SGLANG_PYTHON")
-    if explicit:
-        return explicit
+    """The SGLang venv's python (env LORASYNC_SGLANG_PYTHON, else scripts/sglang-venv.sh's default)."""
     default = Path(os.environ.get("LORASYNC_ENGINE_CACHE", Path.home() / ".cache/lorasync")) / "sglang-0.5.23/bin/python"
-    return str(default) if default.exists() else None
+    python = Path(os.environ.get("LORASYNC_SGLANG_PYTHON") or default)
+    return str(python) if python.exists() else None
 
 
 def _free_port() -> int:
@@ -60,9 +61,9 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-@pytest.fixture(scope="module")
-def sglang_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """URL of a running contract server (SGLang's app), stopped after the module."""
+@contextlib.contextmanager
+def _contract_server(model_dir: Path, log: Path, *extra: str) -> Iterator[str]:
+    """Run the contract server (SGLang's app) on a free port; yield its URL; stop it."""
     python = _sglang_python()
     if python is None:
         message = "SGLang venv missing: run scripts/sglang-venv.sh (or set LORASYNC_SGLANG_PYTHON)"
@@ -70,10 +71,9 @@ def sglang_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
             pytest.fail(message)
         pytest.skip(message)
     port = _free_port()
-    log = tmp_path_factory.mktemp("sglang") / "server.log"
     env = {**os.environ, "PYTHONPATH": str(Path(lorasync.__file__).resolve().parents[1])}
     cmd = [python, "-m", "lorasync.testing.sglang_contract", "--host", "127.0.0.1", "--port", str(port),
-           "--model-path", str(tiny_model_dir), *SERVER_FLAGS]  # fmt: skip
+           "--model-path", str(model_dir), *SERVER_FLAGS, *extra]  # fmt: skip
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
@@ -98,6 +98,13 @@ def sglang_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture(scope="module")
+def sglang_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """URL of a running contract server (SGLang's app), stopped after the module."""
+    with _contract_server(tiny_model_dir, tmp_path_factory.mktemp("sglang") / "server.log") as url:
+        yield url
 
 
 class Peer:
@@ -419,3 +426,18 @@ def test_version_auto_reads_server_info(peer: Peer, adapters: dict[str, Path]) -
         client.load_adapter_tensors("auto@v1", Adapter.load(adapters["qv"]))
         assert client.list_adapters() == ["auto@v1"]
     assert peer.calls()[0] == ("GET", "/server_info")
+
+
+# -- auth (SGLang's own API-key middleware) ----------------------------------------------------
+
+
+def test_api_key(tiny_model_dir: Path, tmp_path: Path, adapters: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    with _contract_server(tiny_model_dir, tmp_path / "server.log", "--api-key", "s3cret") as url:
+        with SGLangEngine(url) as anonymous, pytest.raises(AuthenticationError, match="api_key") as info:
+            anonymous.load_adapter("a", adapters["qkvo"])
+        assert info.value.status == 401
+        monkeypatch.setenv("SGLANG_API_KEY", "s3cret")
+        with SGLangEngine(url) as client:
+            client.load_adapter("a", adapters["qkvo"])
+            assert client.list_adapters() == ["a"]
+            assert "s3cret" not in repr(client)
