@@ -395,8 +395,9 @@ class SGLangEngine(HTTPEngine):
         caps = self._capabilities_from(info)
         caps.check(adapter)
         if not caps.runtime_lora:
+            reasons = "; ".join(n for n in caps.notes if n.startswith(("dp_size", "tokenizer_worker_num")))
             raise CapabilityError(
-                f"sglang at {self.url} cannot load adapters at runtime ({'; '.join(caps.notes[1:])}); "
+                f"sglang at {self.url} cannot load adapters at runtime ({reasons}); "
                 "restart it with --dp-size 1 --tokenizer-worker-num 1",
                 engine=self.kind,
                 url=self.url,
