@@ -301,7 +301,16 @@ class SGLangEngine(HTTPEngine):
         """
         return self._run(self._generate_op(input_ids, lora_name, max_new_tokens, return_logprob), adapter=lora_name)
 
+    def greedy(self, name: str | None, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
+        """Greedy tokens and their log-probs (verification probes); ``name`` None is the base."""
+        result = self.generate(list(prompt_ids), lora_name=name, max_new_tokens=max_tokens, return_logprob=True)
+        return list(result.output_ids), list(result.logprobs or ())
+
     # -- async twins ------------------------------------------------------------------------
+
+    async def agreedy(self, name: str | None, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
+        result = await self.agenerate(list(prompt_ids), lora_name=name, max_new_tokens=max_tokens, return_logprob=True)
+        return list(result.output_ids), list(result.logprobs or ())
 
     async def acapabilities(self) -> Capabilities:
         return await self._arun(self._capabilities_op())

@@ -90,10 +90,11 @@ def engine(vllm_server: Any) -> Iterator[VLLMEngine]:
 def test_capabilities_read_from_the_dev_mode_server(engine: VLLMEngine) -> None:
     caps = engine.capabilities()
     assert (caps.engine, caps.url, caps.lora, caps.runtime_lora) == ("vllm", engine.url, True, True)
-    assert (caps.max_rank, caps.max_loras) == (16, 4)  # the launcher's --max-lora-rank / --max-loras
+    # --max-lora-rank 16; capacity is the worker LRU (--max-cpu-loras 8), not the 4 GPU slots
+    assert (caps.max_rank, caps.max_loras) == (16, 8)
     assert caps.target_modules is None
-    # No worker extension on this server; vLLM 0.32 in-place reloads are unsafe.
-    assert (caps.tensor_load, caps.weight_update, caps.load_inplace, caps.same_host) == (False, False, False, True)
+    # The session server loads lorasync's worker extension; vLLM 0.32 in-place reloads are unsafe.
+    assert (caps.tensor_load, caps.weight_update, caps.load_inplace, caps.same_host) == (True, True, False, True)
     assert "vllm 0.32.0" in caps.notes
 
 
