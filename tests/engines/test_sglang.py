@@ -441,3 +441,25 @@ def test_api_key(tiny_model_dir: Path, tmp_path: Path, adapters: dict[str, Path]
             client.load_adapter("a", adapters["qkvo"])
             assert client.list_adapters() == ["a"]
             assert "s3cret" not in repr(client)
+
+
+@pytest.mark.parametrize("transport", ["disk", "ipc"])
+def test_publisher_serves_trained_weights_on_sglang(transport: str, engine: SGLangEngine, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """publish_adapter end to end on SGLang's own HTTP layer: versions switch, probes verify."""
+    from transformers import AutoModelForCausalLM
+
+    from lorasync import Probe, Publisher
+    from lorasync.exporters.fsdp import export
+
+    pub = Publisher([engine], name="pol", transport=transport, root=tmp_path, keep=1)
+    outputs = []
+    for version, seed in ((1, 61), (2, 62)):
+        model = make_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), seed=seed, targets=("q_proj", "k_proj", "v_proj", "o_proj"))
+        probe = Probe.from_model(model, [5, 17, 99, 230], max_tokens=4, atol=1e-3)
+        report = pub.publish(export(model), version=version, verify=probe)
+        assert report.ok, report
+        assert report.results[0].transport == transport
+        outputs.append(engine.greedy(report.served_name, [5, 17, 99, 230], 4)[0])
+        assert outputs[-1] == list(probe.expected_ids)
+    assert outputs[0] != outputs[1]
+    assert engine.list_adapters() == ["pol@v2"]
