@@ -3,7 +3,8 @@
 Per engine, concurrently: pre-flight (capabilities, rank, modules, capacity) → choose a transport
 → deliver → optional verify → retire versions beyond the retention window. Invariants:
 
-* Versions are monotonic per (engine, name): an older version never replaces a newer one.
+* Versions are monotonic per (engine, name): an older version never replaces a newer one, and a
+  version that concurrent publishers already superseded is taken out of service again.
 * Identical content already served moves no bytes.
 * A failure on one engine never blocks or changes the others; a failed load or verify leaves the
   engine's previous version serving. The report says exactly what happened where.
@@ -213,7 +214,13 @@ class Publisher:
                 state.caps = await engine.acapabilities()
             transport, result.reason = self._choose(state.caps, adapter)
             result.transport = transport.name
+            fresh = not state.synced
             await self._sync_versions(engine, state)
+            if transport.versioned and not fresh and self._unchanged(state, transport, version, digest):
+                # About to move nothing on the strength of memory: ask the engine, which may have
+                # restarted (and forgotten every adapter) since this publisher last looked.
+                state.synced = False
+                await self._sync_versions(engine, state)
             if self._unchanged(state, transport, version, digest):
                 # The identical adapter is served under its earlier version's name: report that
                 # name, since name@v<version> was not (and need not be) loaded.
@@ -240,11 +247,12 @@ class Publisher:
                 await self._verify(engine, transport, probe, served if transport.versioned else None, state, version)
                 result.timings["verify"] = time.perf_counter() - t0
                 result.reason += "; verified through the engine"
-            result.status = "loaded"
             if transport.versioned:
                 t0 = time.perf_counter()
+                await self._settle(engine, transport, state, version, served)
                 result.retired += await self._retire(engine, transport, state)
                 result.timings["retire"] = time.perf_counter() - t0
+            result.status = "loaded"
         except LoraSyncError as exc:
             result.error = exc
             state.caps = None  # re-probe next time: the engine may have restarted
@@ -393,6 +401,47 @@ class Publisher:
             adapter=served,
         )
 
+    async def _settle(self, engine: Engine, transport: Transport, state: _EngineState, version: int, served: str) -> None:
+        """Re-read what the engine serves once the new version is in.
+
+        The engine may have restarted (losing the new version), and other publishers of this
+        name may have loaded newer versions meanwhile; retention and file collection must work
+        from the engine's real state, not from this publisher's memory. A version that newer
+        ones already push out of the retention window is taken out of service again, so a stale
+        version never serves beside newer ones.
+
+        Raises:
+            EngineError: the engine does not list the version it just loaded.
+            StaleVersionError: ``keep`` newer versions were loaded concurrently.
+        """
+        state.synced = False
+        await self._sync_versions(engine, state)
+        if version not in state.versions:
+            state.synced = False
+            raise EngineError(
+                f"{engine.kind} at {engine.url or '(in-process)'} does not list {served} right after loading it "
+                "(it restarted or dropped the adapter); publish again",
+                engine=engine.kind,
+                url=engine.url,
+                adapter=served,
+            )
+        if version in sorted(state.versions)[-self.keep :]:
+            return
+        try:
+            await transport.retire(engine, name=self.name, version=version, served=served)
+        except AdapterNotFoundError:
+            pass
+        state.versions.pop(version, None)
+        newest = max(state.versions)
+        raise StaleVersionError(
+            f"{self.name} v{version} was superseded while it loaded: {engine.kind} at {engine.url or '(in-process)'} "
+            f"already serves v{newest} (published concurrently), so v{version} was taken out of service again; "
+            "use the newer version",
+            adapter=self.name,
+            version=version,
+            newest=newest,
+        )
+
     async def _retire(self, engine: Engine, transport: Transport, state: _EngineState) -> list[str]:
         retired = []
         for old in sorted(state.versions)[: -self.keep]:
@@ -407,7 +456,8 @@ class Publisher:
 
     def _collect_files(self, current: int) -> None:
         """Delete version directories no engine of this publisher still holds (never the newest
-        ``keep`` versions, never one an engine might still read)."""
+        ``keep`` versions, never one an engine might still read, never one newer than
+        ``current``: those belong to concurrent publishers still loading them)."""
         held = set()
         for state in self._state.values():
             if not state.synced:
@@ -416,7 +466,7 @@ class Publisher:
         published = self.store.versions(self.name)
         window = set(sorted(published)[-self.keep :]) | {current}
         for version in published:
-            if version not in held and version not in window:
+            if version < current and version not in held and version not in window:
                 self.store.remove(self.name, version)
 
 

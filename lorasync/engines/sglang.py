@@ -17,6 +17,8 @@ otherwise; see ``docs/engines/sglang.md``):
   (``serialized_named_tensors``, 0.5.17+; a single ``serialized_tensors`` string in 0.5.10-0.5.16).
   lorasync sends plain pickles of CPU tensors, which SGLang's allowlisting unpickler reads on any
   host; lorasync itself never unpickles anything.
+* A retried load answered "already loaded", or a 200 that is not SGLang's envelope, counts only
+  once ``/v1/models`` lists the name with our path (an earlier attempt landed, its answer lost).
 * 0.5.23 accepts ``/update_weights_from_tensor`` only inside ``/begin_weight_update`` ...
   ``/end_weight_update``; the session is always closed, also when an update fails.
 """
@@ -419,7 +421,29 @@ class SGLangEngine(HTTPEngine):
         if pinned:
             body["pinned"] = True
         response = yield Call("POST", "/load_lora_adapter", json=body)
-        yield from self._lora_result(response, "/load_lora_adapter", name)
+        try:
+            yield from self._lora_result(response, "/load_lora_adapter", name)
+        except (AdapterAlreadyLoadedError, EngineProtocolError):
+            # A retried load answered "already loaded" (an earlier attempt landed before its
+            # answer was lost), or a 200 that is not SGLang's envelope: success only if the
+            # engine now serves ``name`` from ``path``.
+            retried = response.extensions.get("lorasync_attempts", 1) > 1
+            if response.status_code != 200 and not retried:
+                raise
+            if not (yield from self._serves(name, path)):
+                raise
+
+    def _serves(self, name: str, path: str) -> Operation[bool]:
+        """True when ``/v1/models`` lists ``name`` loaded from ``path`` (False before 0.5.10)."""
+        if self._version_or_default() < _MODELS_LIST_ADAPTERS_SINCE:
+            return False
+        response = yield Call("GET", "/v1/models")
+        data = body_json(response)
+        cards = data.get("data") if isinstance(data, dict) and response.status_code == 200 else None
+        return any(
+            isinstance(card, dict) and card.get("id") == name and card.get("parent") and card.get("root") in (None, path)
+            for card in cards or []
+        )
 
     def _load_tensors_op(self, name: str, adapter: Adapter, pinned: bool) -> Operation[None]:
         info = yield from self._preflight_op(adapter, pads=True)
@@ -451,7 +475,17 @@ class SGLangEngine(HTTPEngine):
 
     def _unload_op(self, name: str) -> Operation[None]:
         response = yield Call("POST", "/unload_lora_adapter", json={"lora_name": name})
-        yield from self._lora_result(response, "/unload_lora_adapter", name)
+        try:
+            yield from self._lora_result(response, "/unload_lora_adapter", name)
+        except EngineProtocolError:
+            # A 200 that is not SGLang's envelope: done only if the name is no longer listed.
+            if response.status_code != 200 or self._version_or_default() < _MODELS_LIST_ADAPTERS_SINCE:
+                raise
+            listed = yield Call("GET", "/v1/models")
+            data = body_json(listed)
+            cards = data.get("data") if isinstance(data, dict) and listed.status_code == 200 else None
+            if not isinstance(cards, list) or any(isinstance(c, dict) and c.get("id") == name for c in cards):
+                raise
 
     def _list_op(self) -> Operation[list[str]]:
         if self._version is not None and self._version < _MODELS_LIST_ADAPTERS_SINCE:

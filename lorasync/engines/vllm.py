@@ -12,6 +12,8 @@ Quirks handled here (see docs/engines/vllm.md):
   read with ``body_json``/``body_text``, never ``.json()``.
 * Load failures come back as 400/404/500 whose only stable part is the message text; they are
   mapped to typed errors by status and substring.
+* A 200 without vLLM's ``Success: ...`` text (empty, a proxy's page, a JSON error) counts only
+  once ``/v1/models`` confirms it; otherwise the load (or unload) is an ``EngineProtocolError``.
 * A retried load answered "already been loaded" is our earlier attempt having landed (lorasync
   loads unique versioned names): it counts as success once ``/v1/models`` confirms the path.
 * ``load_inplace=True`` is persisted by vLLM 0.32 and re-reads the files on every step; it is
@@ -394,9 +396,22 @@ class VLLMEngine(HTTPEngine):
         if load_inplace:  # sent only when asked: older servers then refuse instead of ignoring it silently
             body["load_inplace"] = True
         response = yield Call("POST", LOAD_ROUTE, json=body)
-        if response.status_code == 200:
+        if response.status_code == 200 and body_text(response).startswith("Success"):
             return
         message = _message(response)
+        if response.status_code == 200:
+            # Not vLLM's success text (empty, a proxy's page, a JSON error): only the engine's
+            # model list says whether the adapter serves.
+            models = yield Call("GET", MODELS_ROUTE)
+            served = _adapter_roots(models)
+            if name in served and served[name] in (None, lora_path):
+                return
+            raise EngineProtocolError(
+                f"{self.kind} at {self.url}{LOAD_ROUTE} answered the load of {name!r} with HTTP 200 but "
+                f"{body_text(response)[:200]!r} instead of vLLM's success text, and /v1/models does not list "
+                "it; the adapter is not served (is a proxy in front of vLLM rewriting answers?)",
+                **self.error_context(LOAD_ROUTE, name, response),
+            )
         if "has already been loaded" in message and response.extensions.get("lorasync_attempts", 1) > 1:
             # An earlier attempt of this request reached the server before its connection failed.
             # Success only if the name now serves our path.
@@ -465,6 +480,16 @@ class VLLMEngine(HTTPEngine):
         models = yield Call("GET", MODELS_ROUTE)
         root = _adapter_roots(models).get(name) or ""
         response = yield Call("POST", UNLOAD_ROUTE, json={"lora_name": name})
+        if response.status_code == 200 and not body_text(response).startswith("Success"):
+            # Not vLLM's success text: believe the model list (a JSON error or empty 200 from a
+            # proxy must not count as an unload that did not happen).
+            after = yield Call("GET", MODELS_ROUTE)
+            if after.status_code != 200 or name in _adapter_roots(after):
+                raise EngineProtocolError(
+                    f"{self.kind} at {self.url}{UNLOAD_ROUTE} answered the unload of {name!r} with HTTP 200 but "
+                    f"{body_text(response)[:200]!r}, and the adapter is still listed; call unload_adapter again",
+                    **self.error_context(UNLOAD_ROUTE, name, response),
+                )
         if response.status_code == 200:
             if root.startswith(IPC_PREFIX):
                 # Tensors staged in the workers for this name are no longer reachable by requests.

@@ -7,6 +7,7 @@ Everything a real vLLM 0.32 server can answer is tested against one in test_vllm
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable
 
 import httpx
@@ -41,11 +42,22 @@ def test_spec_string_connects_a_vllm_client() -> None:
 # -- parsing -------------------------------------------------------------------------------------------
 
 
-def test_empty_200_is_success_sync_and_async() -> None:
+def test_empty_200_is_success_once_models_confirms_sync_and_async() -> None:
+    # vLLM answers "Success: ..." text; an empty 200 (a proxy, another server) counts only when
+    # /v1/models confirms the adapter (tests/reliability covers the unconfirmed case).
     seen: list[tuple[str, str]] = []
+    loaded: dict[str, str] = {}
 
     def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            cards = [{"id": n, "root": p, "parent": "base"} for n, p in loaded.items()]
+            return httpx.Response(200, json={"data": [{"id": "base", "parent": None}, *cards]})
         seen.append((request.url.path, request.headers["content-type"]))
+        body = json.loads(request.content)
+        if request.url.path.endswith("/load_lora_adapter"):
+            loaded[body["lora_name"]] = body["lora_path"]
+        else:
+            loaded.pop(body["lora_name"], None)
         return httpx.Response(200)  # no body, no content type
 
     engine = mock_engine(handler)
@@ -59,6 +71,7 @@ def test_empty_200_is_success_sync_and_async() -> None:
     asyncio.run(twins())
     assert [path for path, _ in seen] == ["/v1/load_lora_adapter", "/v1/unload_lora_adapter"] * 2
     assert {ctype for _, ctype in seen} == {"application/json"}  # vLLM refuses anything else
+    assert loaded == {}
 
 
 def test_empty_200_where_json_is_needed_is_a_protocol_error() -> None:
