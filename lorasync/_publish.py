@@ -161,7 +161,7 @@ class Publisher:
         try:
             results = await asyncio.gather(*(self._publish_one(e, adapter, version, digest, probe) for e in self.engines))
             t0 = time.perf_counter()
-            await asyncio.to_thread(self._collect_files, version)
+            await self._collect_files(version)
             timings["gc"] = time.perf_counter() - t0
         finally:
             self._lock.release()
@@ -416,6 +416,14 @@ class Publisher:
         """
         state.synced = False
         await self._sync_versions(engine, state)
+        if version not in state.versions and any(v > version for v in state.versions):
+            raise StaleVersionError(
+                f"{self.name} v{version} was superseded while it loaded: a concurrent publisher of v{max(state.versions)} "
+                f"already retired it from {engine.kind} at {engine.url or '(in-process)'}; use the newer version",
+                adapter=self.name,
+                version=version,
+                newest=max(state.versions),
+            )
         if version not in state.versions:
             state.synced = False
             raise EngineError(
@@ -454,20 +462,39 @@ class Publisher:
             retired.append(old_served)
         return retired
 
-    def _collect_files(self, current: int) -> None:
-        """Delete version directories no engine of this publisher still holds (never the newest
-        ``keep`` versions, never one an engine might still read, never one newer than
-        ``current``: those belong to concurrent publishers still loading them)."""
-        held = set()
-        for state in self._state.values():
-            if not state.synced:
-                return  # an engine's view is unknown (it failed): keep every file
-            held.update(state.versions)
-        published = self.store.versions(self.name)
+    async def _collect_files(self, current: int) -> None:
+        """Delete version directories no engine of this publisher holds: never the newest
+        ``keep`` versions, never one newer than ``current`` (concurrent publishers own those).
+
+        Best effort. It runs only when no load of this name is in flight anywhere (the store's
+        lock: loaders hold it shared from write to load) and re-lists the engines under that
+        lock, so a concurrent publisher's version is never deleted between its load and this
+        publisher's view of the engines (vLLM re-reads an evicted adapter's files).
+        """
+        if any(not state.synced for state in self._state.values()):
+            return  # an engine's view is unknown (it failed): keep every file
+        published = await asyncio.to_thread(self.store.versions, self.name)
         window = set(sorted(published)[-self.keep :]) | {current}
-        for version in published:
-            if version < current and version not in held and version not in window:
-                self.store.remove(self.name, version)
+        candidates = [v for v in published if v < current and v not in window]
+        if not candidates:
+            return
+        lock = await asyncio.to_thread(self.store.lock, self.name, exclusive=True, blocking=False)
+        if lock is None:
+            return  # a load is in flight; a later publish collects
+        try:
+            held: set[int] = set()
+            for engine in self.engines:
+                for served in await engine.alist_adapters():
+                    parsed = parse_served_name(served)
+                    if parsed is not None and parsed[0] == self.name:
+                        held.add(parsed[1])
+            for version in candidates:
+                if version not in held:
+                    await asyncio.to_thread(self.store.remove, self.name, version)
+        except LoraSyncError:
+            return  # an engine failed to list or a removal failed: keep the rest for later
+        finally:
+            lock.close()
 
 
 def publish_adapter(

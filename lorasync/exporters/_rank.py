@@ -38,8 +38,8 @@ def trim_tensor(tensor: torch.Tensor, side: str, rank: int, *, name: str = "") -
     if size <= rank:
         return tensor
     padding = tensor.narrow(dim, rank, size - rank)
-    # Explicit check, not assert: it must hold under `python -O`.
-    largest = padding.detach().abs().max()
+    # Explicit check, not assert: it must hold under `python -O`. (An empty slice pads nothing.)
+    largest = padding.detach().abs().max() if padding.numel() else torch.zeros(())
     if not bool(largest == 0):
         raise PaddedRankError(
             f"{name}: lora_{side} padding beyond rank {rank} is not zero (max |value| = "

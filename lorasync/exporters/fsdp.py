@@ -18,8 +18,8 @@ from torch import nn
 
 from lorasync._adapter import Adapter
 from lorasync._config import AdapterConfig
-from lorasync._keys import normalize_trainer_key, peft_key
-from lorasync.errors import ConfigError, UnknownAdapterNameError
+from lorasync._keys import normalize_trainer_key, parse_peft_key, peft_key
+from lorasync.errors import ConfigError, ExportError, UnknownAdapterNameError
 from lorasync.exporters._rank import trim_rank
 
 __all__ = ["export"]
@@ -57,6 +57,7 @@ def export(
 
     Raises:
         UnknownAdapterNameError: no LoRA weights for ``adapter_name``.
+        ExportError: a LoRA entry that is not a tensor, or two names of one weight that differ.
         ConfigError: neither a PEFT config nor ``alpha``/``config`` give the scale.
         PaddedRankError, ShapeMismatchError, ...: from validation.
     """
@@ -75,11 +76,13 @@ def export(
             adapter=adapter_name,
         )
 
-    base = config or (AdapterConfig.from_peft(peft_cfg) if peft_cfg is not None else None)
+    base = config or (_resolve_patterns(AdapterConfig.from_peft(peft_cfg), peft_cfg, raw) if peft_cfg is not None else None)
     if base is None:
         if alpha is None:
             raise ConfigError("exporting from a state dict needs alpha= (lora_alpha) or config=")
-        real = rank if isinstance(rank, int) else max(t.shape[0] for k, t in raw.items() if k.endswith("lora_A.weight"))
+        widths = [t.shape[0] for k, t in raw.items() if k.endswith("lora_A.weight") and t.dim() == 2]
+        # No usable lora_A at all: validation below names what is missing or malformed.
+        real = rank if isinstance(rank, int) else max(widths, default=1)
         base = AdapterConfig(r=real, lora_alpha=alpha)
     # Derived from what is exported, never from a pattern like "all-linear".
     changes: dict[str, Any] = {"target_modules": ()}
@@ -99,16 +102,54 @@ def export(
 
 def _collect(items: Any, adapter_name: str) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
+    source: dict[str, str] = {}
     for name, value in items:
         parsed = normalize_trainer_key(name, adapter_name)
         if parsed is None:
             continue
-        tensor = value.detach() if isinstance(value, torch.Tensor) else value
+        if not isinstance(value, torch.Tensor):
+            raise ExportError(f"{name!r} is a {type(value).__name__}, not a tensor; pass the trainer's tensors", key=name)
+        tensor = value.detach()
         full = getattr(tensor, "full_tensor", None)
         if callable(full):  # DTensor (FSDP2 / TP): collective gather
             tensor = full()
-        out[peft_key(*parsed)] = tensor.to("cpu").clone()
+        key = peft_key(*parsed)
+        tensor = tensor.to("cpu").clone()
+        if key in out and not torch.equal(out[key], tensor):
+            # Two decorated names of one weight (e.g. with and without a wrapper prefix): which
+            # one the trainer uses is unknowable, so neither is picked.
+            raise ExportError(
+                f"{source[key]!r} and {name!r} are both {key} but hold different values; pass one state dict "
+                "of one model (unwrapped or wrapped, not both)",
+                key=key,
+            )
+        out[key], source[key] = tensor, name
     return out
+
+
+def _resolve_patterns(config: AdapterConfig, peft_cfg: Any, tensors: Mapping[str, torch.Tensor]) -> AdapterConfig:
+    """Each module's rank and alpha as the trainer's PEFT model uses them, keyed by full path.
+
+    PEFT applies the *first* ``rank_pattern``/``alpha_pattern`` key (in the config's own order)
+    that matches a module, but its ``save_pretrained`` writes the keys sorted, so overlapping
+    keys (``q_proj`` and ``layers.0.q_proj``) can mean another value once copied or saved.
+    Per-module keys match one module each, so their order no longer matters.
+    """
+    from peft.utils.other import get_pattern_key
+
+    ranks = dict(getattr(peft_cfg, "rank_pattern", None) or {})
+    alphas = dict(getattr(peft_cfg, "alpha_pattern", None) or {})
+    if not ranks and not alphas:
+        return config
+    rank_pattern, alpha_pattern = {}, {}
+    for module in sorted({parse_peft_key(k)[0] for k in tensors}):
+        rank = ranks.get(get_pattern_key(list(ranks), module), config.r)
+        alpha = alphas.get(get_pattern_key(list(alphas), module), config.lora_alpha)
+        if rank != config.r:
+            rank_pattern[module] = rank
+        if alpha != config.lora_alpha:
+            alpha_pattern[module] = alpha
+    return config.with_(rank_pattern=rank_pattern, alpha_pattern=alpha_pattern)
 
 
 def _adapter_names(source: Any) -> set[str]:

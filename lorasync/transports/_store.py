@@ -5,11 +5,13 @@ lorasync.json}``. A version is written into a hidden temp directory, fsynced, th
 place, so a reader (an engine) sees a complete version or none. A published version is never
 rewritten; removal renames it to a hidden trash name first, so a half-deleted directory is never
 visible under a published name. Temp and trash left by a crashed publisher are swept on the
-next write.
+next write. ``<root>/.<name>.lock`` coordinates publishers (also across processes): loaders hold
+it shared from write to load, collection takes it exclusively (see :meth:`DiskStore.lock`).
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -17,6 +19,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import IO
 
 from lorasync._adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, Adapter
 from lorasync._names import validate_name, validate_version
@@ -122,6 +125,34 @@ class DiskStore:
                 version=version,
             ) from exc
         return final, written
+
+    def lock(self, name: str, *, exclusive: bool, blocking: bool = True) -> IO[bytes] | None:
+        """Lock ``name``'s versions: shared while a version is written and loaded, exclusive to
+        collect old ones. ``flock`` on ``<root>/.<name>.lock``: released by ``close()`` on the
+        returned handle, or by the kernel when the process dies.
+
+        Returns:
+            The open lock file, or None when ``blocking=False`` and the lock is taken.
+
+        Raises:
+            StorageError: the lock file cannot be created.
+        """
+        path = self.root / f".{validate_name(name)}.lock"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            handle = open(path, "ab")  # noqa: SIM115 - the caller closes it to unlock
+        except OSError as exc:
+            raise StorageError(f"cannot create {path}: {exc}; check the store root's permissions", adapter=name) from exc
+        mode = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | (0 if blocking else fcntl.LOCK_NB)
+        try:
+            fcntl.flock(handle.fileno(), mode)
+        except BlockingIOError:
+            handle.close()
+            return None
+        except OSError as exc:
+            handle.close()
+            raise StorageError(f"cannot lock {path}: {exc}", adapter=name) from exc
+        return handle
 
     def remove(self, name: str, version: int) -> None:
         """Delete a version: first renamed out of sight, then removed."""

@@ -45,9 +45,15 @@ class DiskTransport(Transport):
             return str(path), written, time.perf_counter() - start
 
     async def deliver(self, adapter: Adapter, engine: Engine, caps: Capabilities, *, name: str, version: int, served: str) -> Delivery:
-        path, written, write_s = await self.write(adapter, name, version)
-        start = time.perf_counter()
-        await engine.aload_adapter(served, path)
-        load_s = time.perf_counter() - start
+        # Shared store lock from write to load: no publisher collects this version meanwhile.
+        lock = await asyncio.to_thread(self.store.lock, name, exclusive=False)
+        try:
+            path, written, write_s = await self.write(adapter, name, version)
+            start = time.perf_counter()
+            await engine.aload_adapter(served, path)
+            load_s = time.perf_counter() - start
+        finally:
+            if lock is not None:
+                lock.close()
         size = sum(f.stat().st_size for f in self.store.path_for(name, version).iterdir())
         return Delivery(served_name=served, bytes_moved=size, path=path, timings={"write": write_s, "load": load_s})

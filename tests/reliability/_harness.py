@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import tempfile
+import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,8 +20,15 @@ from typing import Any
 
 import torch
 
-from lorasync import Adapter, AdapterConfig, Publisher, RetryPolicy
-from lorasync.errors import LoraSyncError
+from lorasync import Adapter, AdapterConfig, BaseWeights, Publisher, RetryPolicy
+from lorasync._names import parse_served_name
+from lorasync.errors import (
+    AdapterRejectedError,
+    EngineTimeoutError,
+    EngineUnavailableError,
+    LoraSyncError,
+)
+from lorasync.testing import MemoryEngine
 
 from ._faultserver import FaultServer
 
@@ -238,3 +248,312 @@ def run_fault_matrix(protocols: tuple[str, ...] = ("vllm", "sglang")) -> dict[st
 
 def scratch_dir() -> str:
     return tempfile.mkdtemp(prefix="lorasync-rel-", dir=os.environ.get("TMPDIR"))
+
+
+# -- in-process engines: disk, ipc and merged transports with injected engine failures -----------
+
+INPROC_FAULTS = {
+    "unavailable": lambda: EngineUnavailableError("injected: connection refused", engine="memory"),
+    "timeout": lambda: EngineTimeoutError("injected: no answer", engine="memory"),
+    "rejected": lambda: AdapterRejectedError("injected: bad adapter", engine="memory"),
+    "foreign": lambda: RuntimeError("injected: a plugin bug"),  # untranslated: must be wrapped
+    "oserror": lambda: OSError(28, "No space left on device"),
+}
+INPROC_OPS = {
+    "disk": ("load_adapter", "list_adapters", "unload_adapter"),
+    "ipc": ("load_adapter_tensors", "list_adapters", "unload_adapter"),
+    "merged": ("begin_weight_update", "update_weights#1", "update_weights#2"),
+}
+
+
+class FlakyMemoryEngine(MemoryEngine):
+    """MemoryEngine whose ``n``-th next call of an operation raises (``fail_at``)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._armed: dict[str, tuple[int, BaseException]] = {}
+
+    def fail_at(self, op: str, nth: int, error: BaseException) -> None:
+        with self._lock:
+            self._armed[op] = (nth, error)
+
+    def _enter(self, op: str) -> None:
+        with self._lock:
+            if op in self._armed:
+                nth, error = self._armed[op]
+                if nth <= 1:
+                    del self._armed[op]
+                    self.ops.append(op)
+                    raise error
+                self._armed[op] = (nth - 1, error)
+        super()._enter(op)
+
+    def begin_weight_update(self) -> None:
+        self._enter("begin_weight_update")
+
+
+def merged_base() -> BaseWeights:
+    gen = torch.Generator().manual_seed(99)
+    return BaseWeights.from_tensors({f"{m}.weight": torch.randn(16, 16, generator=gen) for m in MODULES})
+
+
+def merged_reference(base: BaseWeights, adapter: Adapter) -> dict[str, torch.Tensor]:
+    """``W0 + alpha/r · B·A`` per module in float64, written from the LoRA definition."""
+    out = {}
+    scale = adapter.config.lora_alpha / adapter.config.r
+    for module in MODULES:
+        a = adapter.tensors[f"base_model.model.{module}.lora_A.weight"].double()
+        b = adapter.tensors[f"base_model.model.{module}.lora_B.weight"].double()
+        out[f"{module}.weight"] = base.get(f"{module}.weight").double() + scale * (b @ a)
+    return out
+
+
+def _serves(engine: FlakyMemoryEngine, transport: str, base: BaseWeights, adapter: Adapter, version: int) -> bool:
+    """Whether ``engine`` serves exactly ``adapter`` (as version ``version`` for LoRA transports)."""
+    if transport == "merged":
+        want = merged_reference(base, adapter)
+        return set(engine.weights) == set(want) and all(
+            torch.allclose(engine.weights[k].double(), v, atol=1e-5) for k, v in want.items()
+        )
+    served = engine.adapters.get(f"p@v{version}")
+    return served is not None and served.content_hash == adapter.content_hash
+
+
+def run_inprocess_matrix() -> dict[str, Any]:
+    """Every injected failure on every operation of every in-process transport: the publish
+    fails with a typed error, the engine keeps serving v1 exactly, and v3 then publishes."""
+    outcomes, violations = [], []
+    base = merged_base()
+    ads = {v: tiny_adapter(100 + v) for v in (1, 2, 3)}
+    with tempfile.TemporaryDirectory(prefix="lorasync-inproc-") as tmp:
+        for transport, ops in INPROC_OPS.items():
+            for op in ops:
+                for fault, make in INPROC_FAULTS.items():
+                    label = f"memory:{transport}:{op}:{fault}"
+                    engine = FlakyMemoryEngine()
+                    kwargs: dict[str, Any] = {"base": base, "bucket_bytes": 1100} if transport == "merged" else {}
+                    pub = Publisher([engine], name="p", keep=1, transport=transport, root=Path(tmp) / label, **kwargs)
+                    problems = []
+                    if not pub.publish(ads[1], version=1).ok:
+                        problems.append("setup publish failed")
+                    name, _, nth = op.partition("#")
+                    engine.fail_at(name, int(nth or 1), make())
+                    result = pub.publish(ads[2], version=2).results[0]
+                    if result.status != "failed" or not isinstance(result.error, LoraSyncError):
+                        problems.append(f"expected a typed failure, got {result.status} {result.error!r}")
+                    if not _serves(engine, transport, base, ads[1], 1):
+                        problems.append("the previous version no longer serves exactly")
+                    if transport != "merged" and "p@v2" in engine.adapters and name not in ("list_adapters", "unload_adapter"):
+                        problems.append("the failed version serves")  # (a failure after the load may leave it loaded)
+                    if not pub.publish(ads[3], version=3).ok or not _serves(engine, transport, base, ads[3], 3):
+                        problems.append("no recovery")
+                    outcomes.append((label, result.status, type(result.error).__name__))
+                    violations += [f"{label}: {p}" for p in problems]
+    return {"cases": len(outcomes), "handled": len(outcomes) - len({v.split(': ')[0] for v in violations}), "outcomes": outcomes, "violations": violations}
+
+
+# -- concurrency: separate publishers racing versions of one name ---------------------------------
+
+
+class RecordingEngine(MemoryEngine):
+    """MemoryEngine that records, per name, the max served version after every change."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.max_seen: dict[str, list[int]] = {}
+
+    def load_adapter(self, name: str, path: Any) -> None:
+        with self._lock:
+            super().load_adapter(name, path)
+            self._note(name)
+
+    def unload_adapter(self, name: str) -> None:
+        with self._lock:
+            super().unload_adapter(name)
+            self._note(name)
+
+    def _note(self, served: str) -> None:
+        parsed = parse_served_name(served)
+        if parsed is None:
+            return
+        versions = [p[1] for n in self.adapters if (p := parse_served_name(n)) is not None and p[0] == parsed[0]]
+        history = self.max_seen.setdefault(parsed[0], [])
+        top = max(versions, default=-1)
+        if not history or history[-1] != top:
+            history.append(top)
+
+
+def _regressions(history: list[int]) -> int:
+    return sum(1 for a, b in zip(history, history[1:]) if b < a)
+
+
+def run_race(publishers: int = 16, versions: int = 64, *, keep: int = 2, seed: int = 0) -> dict[str, Any]:
+    """``publishers`` threads, each with its own Publisher, publish versions 1..``versions`` of
+    one name (version v belongs to publisher v % publishers, each in increasing order, random
+    pauses) to two shared in-process engines and one vLLM-protocol server."""
+    rng = random.Random(seed)
+    ads = {v: tiny_adapter(1000 + v) for v in range(1, versions + 1)}
+    for adapter in ads.values():
+        adapter.content_hash  # noqa: B018 - hash once, outside the race
+    mem = [RecordingEngine("memory://a"), RecordingEngine("memory://b")]
+    reports: dict[int, Any] = {}
+    errors: list[str] = []
+    with FaultServer("vllm", hang_s=0.1) as server, tempfile.TemporaryDirectory(prefix="lorasync-race-") as tmp:
+        barrier = threading.Barrier(publishers)
+        plans = {i: [v for v in range(1, versions + 1) if v % publishers == i] for i in range(publishers)}
+        pauses = {i: [rng.uniform(0, 0.01) for _ in plans[i]] for i in range(publishers)}
+
+        def worker(i: int) -> None:
+            engines = [*mem, client("vllm", server.url, timeout=10.0)]
+            pub = Publisher(engines, name="race", keep=keep, transport="disk", root=tmp)
+            barrier.wait()
+            try:
+                for version, pause in zip(plans[i], pauses[i]):
+                    time.sleep(pause)
+                    reports[version] = pub.publish(ads[version], version=version)
+            except Exception as exc:  # a raise out of publish is itself a finding
+                errors.append(f"publisher {i}: {type(exc).__name__}: {exc}")
+            finally:
+                pub.close()
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(publishers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+        histories = {e.url: e.max_seen.get("race", []) for e in mem}
+        histories[server.url] = server.stats["max_seen"].get("race", [])
+        finals = {e.url: max((p[1] for n in e.adapters if (p := parse_served_name(n))), default=-1) for e in mem}
+        finals[server.url] = max(server.versions("race"), default=-1)
+        violations = list(errors)
+        for url, top in finals.items():
+            if top != versions:
+                violations.append(f"{url} ends on v{top}, not v{versions}")
+        regressions = {url: _regressions(h) for url, h in histories.items()}
+        violations += [f"{url}: max served version went down {n} times: {histories[url]}" for url, n in regressions.items() if n]
+        last = reports.get(versions)
+        if last is None or not last.ok:
+            violations.append(f"the newest version's publish did not succeed everywhere: {last}")
+        # Every adapter an engine serves must still have its complete files (vLLM re-reads them).
+        missing = [f"{name} at {a.path}" for name, a in server.adapters.items() if not (Path(a.path) / "adapter_model.safetensors").is_file()]
+        for engine in mem:
+            missing += [f"{engine.url} {n}" for n in engine.adapters if not Path(engine.path_of(n) or "").is_dir()]
+        violations += [f"served without files: {m}" for m in missing]
+        violations += [f"torn: {t}" for t in server.stats["torn"]]
+        statuses: dict[str, int] = {}
+        for report in reports.values():
+            for result in report.results:
+                key = result.status if result.ok else type(result.error).__name__
+                statuses[key] = statuses.get(key, 0) + 1
+    return {
+        "publishers": publishers,
+        "versions": versions,
+        "publishes": len(reports),
+        "regressions": sum(regressions.values()),
+        "histories": histories,
+        "statuses": statuses,
+        "violations": violations,
+    }
+
+
+# -- crash consistency: a publisher killed with SIGKILL at random moments --------------------------
+
+STORE_FILES = {"adapter_config.json", "adapter_model.safetensors", "lorasync.json"}
+
+
+def scan_store(root: Path, name: str) -> tuple[list[str], int]:
+    """Check every entry of ``root/name``: each ``v<N>`` holds exactly the three files, loads,
+    and its content matches the recorded hash. Returns ``(violations, hidden garbage count)``."""
+    from ._faultserver import _read_version
+
+    violations, garbage = [], 0
+    base = root / name
+    if not base.is_dir():
+        return violations, 0
+    for entry in sorted(base.iterdir()):
+        if entry.name.startswith((".tmp-", ".trash-")):
+            garbage += 1
+            continue
+        if not (entry.name.startswith("v") and entry.name[1:].isdigit()):
+            violations.append(f"unexpected entry {entry.name}")
+            continue
+        files = {p.name for p in entry.iterdir()}
+        if files != STORE_FILES:
+            violations.append(f"{entry.name} is incomplete: {sorted(files)}")
+            continue
+        problem, _ = _read_version(entry)
+        if problem is not None:
+            violations.append(f"{entry.name}: {problem}")
+    return violations, garbage
+
+
+def _child_loop(url: str, root: str, name: str, first: int) -> None:  # pragma: no cover - child
+    torch.set_num_threads(1)
+
+    async def loop() -> None:
+        pub = Publisher([client("vllm", url, timeout=5.0)], name=name, keep=2, transport="disk", root=root)
+        version = first
+        while True:
+            await pub.apublish(tiny_adapter(version), version=version)
+            version += 1
+
+    asyncio.run(loop())
+
+
+def run_crash_soak(kills: int = 40, *, seed: int = 0, max_wait: float = 0.25) -> dict[str, Any]:
+    """Fork a publisher that publishes in a loop (disk transport, to a vLLM-protocol engine that
+    reads every version it loads), SIGKILL it at a random moment, check the store and the
+    engine, then publish once from a fresh publisher: it must sweep the dead one's temp files
+    and serve a complete version. ``kills`` times."""
+    import signal
+
+    rng = random.Random(seed)
+    name = "crash"
+    violations: list[str] = []
+    garbage_seen = swept = parent_ok = 0
+    with FaultServer("vllm") as server, tempfile.TemporaryDirectory(prefix="lorasync-crash-") as tmp:
+        root = Path(tmp)
+        for k in range(kills):
+            first = (k + 1) * 10_000
+            pid = os.fork()
+            if pid == 0:  # pragma: no cover - child
+                try:
+                    _child_loop(server.url, tmp, name, first)
+                finally:
+                    os._exit(0)
+            time.sleep(rng.uniform(0.0, max_wait))
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            problems, garbage = scan_store(root, name)
+            garbage_seen += garbage > 0
+            violations += [f"kill {k}: {p}" for p in problems]
+            for served, loaded in server.adapters.items():
+                if not (Path(loaded.path) / "adapter_model.safetensors").is_file():
+                    violations.append(f"kill {k}: engine serves {served} whose files are gone")
+            # The next publish (a restarted trainer) recovers and sweeps.
+            version = first + 9_999
+            report = Publisher([client("vllm", server.url, timeout=5.0)], name=name, keep=2, transport="disk", root=root).publish(
+                tiny_adapter(version), version=version
+            )
+            parent_ok += report.ok
+            if not report.ok:
+                violations.append(f"kill {k}: publish after the crash failed: {report}")
+            problems, garbage = scan_store(root, name)
+            violations += [f"kill {k} (after the next publish): {p}" for p in problems]
+            if garbage:
+                violations.append(f"kill {k}: {garbage} temp/trash entries survived the next publish")
+            elif garbage_seen:
+                swept += 1
+            if server.versions(name)[-1:] != [version]:
+                violations.append(f"kill {k}: engine serves {server.versions(name)} after the next publish")
+        stats = server.stats
+        violations += [f"torn: {t}" for t in stats["torn"]]
+    return {
+        "kills": kills,
+        "loads_landed": stats["loads_landed"],
+        "kills_leaving_garbage": garbage_seen,
+        "recovered": parent_ok,
+        "torn": len(stats["torn"]),
+        "violations": violations,
+    }
