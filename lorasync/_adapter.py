@@ -22,13 +22,14 @@ from lorasync._keys import parse_peft_key, peft_key
 from lorasync.errors import (
     AdapterError,
     DtypeMismatchError,
+    LoraSyncError,
     MissingPairError,
     NonFiniteError,
     ShapeMismatchError,
     StorageError,
 )
 
-__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "Adapter"]
+__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "Adapter", "extra_weight_files"]
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -184,11 +185,13 @@ class Adapter:
         """Read an adapter saved by :meth:`save` or by PEFT ``save_pretrained``.
 
         Only ``adapter_model.safetensors`` is read (never pickle); PEFT's ``.default`` key
-        suffix is tolerated.
+        suffix is tolerated. A directory with other ``*.safetensors`` files is refused: SGLang
+        loads every one of them, so an engine would serve something else than this Adapter.
 
         Raises:
             StorageError: files missing or unreadable.
-            AdapterError: content that fails validation.
+            AdapterError: content that fails validation, a config that is not a PEFT LoRA
+                config, or extra ``*.safetensors`` files.
         """
         from peft import LoraConfig
         from safetensors import SafetensorError
@@ -202,6 +205,13 @@ class Adapter:
             raise StorageError(
                 f"{path} holds no PEFT adapter: expected {ADAPTER_WEIGHTS} and {ADAPTER_CONFIG}"
             )
+        extras = extra_weight_files(path)
+        if extras:
+            raise AdapterError(
+                f"{path} holds weight files besides {ADAPTER_WEIGHTS}: {extras}; engines such as SGLang load "
+                "every *.safetensors file they find. Save the adapter to a directory of its own (Adapter.save)",
+                path=str(path),
+            )
         try:
             raw = load_file(str(weights))
         except (OSError, SafetensorError) as exc:
@@ -213,8 +223,29 @@ class Adapter:
                 parse_peft_key(key)  # raises InvalidKeyError naming the key
                 raise AssertionError("unreachable")
             tensors[peft_key(*parsed)] = tensor
-        config = AdapterConfig.from_peft(LoraConfig.from_pretrained(str(path)))
+        try:
+            config = AdapterConfig.from_peft(LoraConfig.from_pretrained(str(path)))
+        except OSError as exc:
+            raise StorageError(f"cannot read {cfg}: {exc}") from exc
+        except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
+            if isinstance(exc, LoraSyncError):  # ConfigError from from_peft: already says what to fix
+                raise
+            raise AdapterError(
+                f"{cfg} is not a PEFT LoRA config ({type(exc).__name__}: {str(exc)[:200]}); write it with "
+                "Adapter.save or PEFT save_pretrained",
+                path=str(path),
+            ) from exc
         return cls(tensors, config, check_finite=check_finite)
+
+
+def extra_weight_files(directory: str | os.PathLike[str]) -> list[str]:
+    """``*.safetensors`` files in ``directory`` other than ``adapter_model.safetensors`` (an
+    engine that globs weights would load them too); empty when the directory is unreadable."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    return sorted(n for n in names if n.endswith(".safetensors") and n != ADAPTER_WEIGHTS)
 
 
 def _validate(modules: Mapping[str, Mapping[str, torch.Tensor]], config: AdapterConfig, *, check_finite: bool) -> None:

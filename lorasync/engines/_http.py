@@ -22,7 +22,13 @@ import httpx
 
 from lorasync._retry import RetryableStatus, RetryPolicy
 from lorasync.engines._base import Engine
-from lorasync.errors import AuthenticationError, EngineError, EngineTimeoutError, EngineUnavailableError
+from lorasync.errors import (
+    AuthenticationError,
+    EngineError,
+    EngineTimeoutError,
+    EngineUnavailableError,
+    IncompatibleAdapterError,
+)
 
 __all__ = ["Call", "HTTPEngine", "Operation", "body_json", "body_text"]
 
@@ -82,7 +88,11 @@ class HTTPEngine(Engine):
         transport: httpx.BaseTransport | None = None,
         async_transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
-        self.url = url.rstrip("/")
+        parsed = httpx.URL(url)
+        # Credentials in the URL travel only as an Authorization header: ``url`` (shown in reprs,
+        # errors, reports and logs) never holds them.
+        self._auth = httpx.BasicAuth(parsed.username, parsed.password) if parsed.userinfo else None
+        self.url = str(parsed.copy_with(userinfo=b"") if parsed.userinfo else parsed).rstrip("/")
         self.retry = RetryPolicy.from_value(retries)
         self.timeout = timeout
         key = api_key if api_key is not None else (os.environ.get(self.api_key_env) if self.api_key_env else None)
@@ -199,6 +209,27 @@ class HTTPEngine(Engine):
         response.extensions["lorasync_attempts"] = attempts
         return response
 
+    def refuse_extra_weights(self, name: str, path: str, route: str) -> None:
+        """Refuse, before sending, a local adapter directory holding ``*.safetensors`` files
+        besides ``adapter_model.safetensors``: SGLang loads them all, and no engine should get a
+        directory lorasync itself would not load. Remote paths (not visible here) pass.
+
+        Raises:
+            IncompatibleAdapterError: extra weight files in ``path``.
+        """
+        from lorasync._adapter import extra_weight_files
+
+        extras = extra_weight_files(path) if os.path.isdir(path) else []
+        if extras:
+            raise IncompatibleAdapterError(
+                f"{path} holds weight files besides adapter_model.safetensors: {extras}; nothing was sent to "
+                f"{self.kind} at {self.url}. Save the adapter to a directory of its own (Adapter.save)",
+                engine=self.kind,
+                url=f"{self.url}{route}",
+                adapter=name,
+                path=path,
+            )
+
     def error_context(self, call_path: str, adapter: str | None, response: httpx.Response) -> dict[str, Any]:
         """Context for errors an engine raises after inspecting a response."""
         return {
@@ -214,7 +245,7 @@ class HTTPEngine(Engine):
     def _sync_client(self) -> httpx.Client:
         if self._client is None:
             self._client = httpx.Client(
-                base_url=self.url, headers=self._headers, timeout=self.timeout, transport=self._transport
+                base_url=self.url, headers=self._headers, auth=self._auth, timeout=self.timeout, transport=self._transport
             )
         return self._client
 
@@ -227,7 +258,11 @@ class HTTPEngine(Engine):
         self._aclient_loop = loop
         if self._aclient is None:
             self._aclient = httpx.AsyncClient(
-                base_url=self.url, headers=self._headers, timeout=self.timeout, transport=self._async_transport
+                base_url=self.url,
+                headers=self._headers,
+                auth=self._auth,
+                timeout=self.timeout,
+                transport=self._async_transport,
             )
         return self._aclient
 
@@ -243,5 +278,5 @@ class HTTPEngine(Engine):
             self._aclient = None
 
     def __repr__(self) -> str:
-        auth = ", api_key=***" if self._headers else ""
+        auth = ", api_key=***" if self._headers or self._auth else ""
         return f"{type(self).__name__}(url={self.url!r}{auth})"

@@ -417,6 +417,7 @@ class SGLangEngine(HTTPEngine):
         return info
 
     def _load_op(self, name: str, path: str, pinned: bool) -> Operation[None]:
+        self.refuse_extra_weights(name, path, "/load_lora_adapter")  # SGLang loads every *.safetensors
         body: dict[str, Any] = {"lora_name": name, "lora_path": path}
         if pinned:
             body["pinned"] = True

@@ -392,6 +392,7 @@ class VLLMEngine(HTTPEngine):
         if not name:
             raise ConfigError("adapter name must be a non-empty string")
         lora_path = os.path.abspath(os.fspath(path))
+        self.refuse_extra_weights(name, lora_path, LOAD_ROUTE)
         body: dict[str, Any] = {"lora_name": name, "lora_path": lora_path}
         if load_inplace:  # sent only when asked: older servers then refuse instead of ignoring it silently
             body["load_inplace"] = True

@@ -37,14 +37,16 @@ P = "base_model.model."
 STATS: Counter[str] = Counter()  # "<exporter>:exported" / "<exporter>:<error class>" per example
 
 
-def fuzz(strategy: st.SearchStrategy[Any], check: Callable[[Any], None], examples: int) -> int:
-    """Run ``check`` on ``examples`` generated inputs (no example database); returns how many ran."""
+def fuzz(strategy: st.SearchStrategy[Any], check: Callable[[Any], None], examples: int, *, derandomize: bool = False) -> int:
+    """Run ``check`` on ``examples`` generated inputs (no example database; ``derandomize``: the
+    same examples every run, for CI); returns how many ran."""
     ran = 0
 
     @settings(
         max_examples=examples,
         deadline=None,
         database=None,
+        derandomize=derandomize,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
     )
     @given(strategy)

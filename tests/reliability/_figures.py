@@ -1,0 +1,46 @@
+"""Figures the reliability tests measured, printed as one table at the end of a pytest run (see
+conftest.py) and by summary.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+FIGURES: dict[str, Any] = {}
+
+ROWS = (
+    ("faults", "faults x transports tried (HTTP engines)"),
+    ("faults_handled", "  ... ending in the expected report entry"),
+    ("fault_retries", "  retries used (counted server-side)"),
+    ("fault_max_requests", "  most requests one call made (policy: 3)"),
+    ("inproc", "faults x transports tried (in-process)"),
+    ("inproc_handled", "  ... failed typed, previous version kept"),
+    ("kills", "SIGKILLs of a publishing process"),
+    ("kills_garbage", "  kills that left temp files (all swept)"),
+    ("torn", "torn adapters seen by an engine or in the store"),
+    ("race", "racing publishers x versions"),
+    ("regressions", "max-served-version regressions"),
+    ("fuzz_fsdp", "fuzz cases run: FSDP state dicts"),
+    ("fuzz_peft", "fuzz cases run: PEFT models"),
+    ("fuzz_megatron", "fuzz cases run: Megatron shards"),
+    ("hostile", "hostile inputs tried"),
+    ("hostile_rejected", "  ... rejected with the expected typed error"),
+    ("vllm_restart", "real vLLM killed before verify, recovered"),
+)
+
+
+def record(**values: Any) -> None:
+    """Add measured figures (integers accumulate, other values replace)."""
+    for key, value in values.items():
+        if isinstance(value, int) and isinstance(FIGURES.get(key), int):
+            FIGURES[key] += value
+        else:
+            FIGURES[key] = value
+
+
+def table(figures: dict[str, Any] | None = None) -> str:
+    figures = FIGURES if figures is None else figures
+    lines = ["lorasync reliability figures", "-" * 62]
+    for key, label in ROWS:
+        if key in figures:
+            lines.append(f"{label:<50} {figures[key]!s:>10}")
+    return "\n".join(lines)
