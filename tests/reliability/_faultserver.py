@@ -392,13 +392,12 @@ class FaultServer:
             if name in self._state.adapters:
                 if self.protocol == "vllm":
                     msg = f"The lora adapter '{name}' has already been loaded. If you want to load the adapter in place, set 'load_inplace' to True."
-                    return 400, json.dumps({"error": {"message": msg, "type": "InvalidUserInput", "param": None, "code": 400}}).encode(), "application/json"
+                    return _vllm_error(msg, "InvalidUserInput", 400)
                 return 400, self._error_body(f"Failed to load LoRA adapter {name} because it is already loaded", 400), "application/json"
         directory = Path(path)
         if not (directory / "adapter_config.json").is_file():
             if self.protocol == "vllm":
-                msg = f"Loading lora {name} failed: No adapter found for {path}"
-                return 404, json.dumps({"error": {"message": msg, "type": "NotFoundError", "param": None, "code": 404}}).encode(), "application/json"
+                return _vllm_error(f"Loading lora {name} failed: No adapter found for {path}", "NotFoundError", 404)
             return 400, self._error_body(f"[Errno 2] No such file or directory: '{path}/adapter_config.json'", 400), "application/json"
         digest = None
         if self.read_files:
@@ -406,7 +405,8 @@ class FaultServer:
             if problem is not None:
                 with self._lock:
                     self._state.torn.append(f"{name} from {path}: {problem}")
-                return 500, self._error_body(f"Call to add_lora method failed: Worker failed with error '{problem}', please check the stack trace above for the root cause", 500), "application/json"
+                msg = f"Call to add_lora method failed: Worker failed with error '{problem}', please check the stack trace above for the root cause"
+                return 500, self._error_body(msg, 500), "application/json"
         with self._lock:
             self._state.adapters[name] = Loaded(name, path, digest)
             self._state.loads_landed += 1
@@ -419,8 +419,7 @@ class FaultServer:
         with self._lock:
             if name not in self._state.adapters:
                 if self.protocol == "vllm":
-                    msg = f"The lora adapter '{name}' cannot be found."
-                    return 404, json.dumps({"error": {"message": msg, "type": "NotFoundError", "param": None, "code": 404}}).encode(), "application/json"
+                    return _vllm_error(f"The lora adapter '{name}' cannot be found.", "NotFoundError", 404)
                 loaded = list(self._state.adapters)
                 return 400, self._error_body(f"LoRA with name {name} does not exist. Loaded LoRAs: odict_keys({loaded})", 400), "application/json"
             del self._state.adapters[name]
@@ -466,6 +465,11 @@ def _read_version(directory: Path) -> tuple[str | None, str | None]:
         if recorded != adapter.content_hash:
             return f"content hash {adapter.content_hash[:12]} differs from the recorded {recorded[:12]}", None
     return None, adapter.content_hash
+
+
+def _vllm_error(message: str, kind: str, code: int) -> tuple[int, bytes, str]:
+    """vLLM's (>= 0.10.1) error envelope."""
+    return code, json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode(), "application/json"
 
 
 def _json(value: Any) -> tuple[int, bytes, str]:

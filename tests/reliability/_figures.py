@@ -18,6 +18,7 @@ ROWS = (
     ("kills_garbage", "  kills that left temp files (all swept)"),
     ("torn", "torn adapters seen by an engine or in the store"),
     ("race", "racing publishers x versions"),
+    ("races", "  races run (seeds)"),
     ("regressions", "max-served-version regressions"),
     ("fuzz_fsdp", "fuzz cases run: FSDP state dicts"),
     ("fuzz_peft", "fuzz cases run: PEFT models"),
@@ -28,11 +29,14 @@ ROWS = (
 )
 
 
+MAXIMA = {"fault_max_requests"}  # figures that keep their largest value instead of adding up
+
+
 def record(**values: Any) -> None:
-    """Add measured figures (integers accumulate, other values replace)."""
+    """Add measured figures (integers accumulate, except ``MAXIMA``; other values replace)."""
     for key, value in values.items():
         if isinstance(value, int) and isinstance(FIGURES.get(key), int):
-            FIGURES[key] += value
+            FIGURES[key] = max(FIGURES[key], value) if key in MAXIMA else FIGURES[key] + value
         else:
             FIGURES[key] = value
 

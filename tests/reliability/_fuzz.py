@@ -257,7 +257,10 @@ def check_peft_model(case: dict[str, Any]) -> None:
         # PEFT computes in float32; a bf16/fp16 export is compared within that format's precision.
         tol = 0.05 * float(delta.abs().max()) + 1e-3 if cast else 1e-5
         config = case["model"].peft_config[name]
-        why = f"r={config.r} alpha={config.lora_alpha} rslora={config.use_rslora} rank_pattern={config.rank_pattern} alpha_pattern={config.alpha_pattern}"
+        why = (
+            f"r={config.r} alpha={config.lora_alpha} rslora={config.use_rslora} "
+            f"rank_pattern={config.rank_pattern} alpha_pattern={config.alpha_pattern}"
+        )
         torch.testing.assert_close(got, delta, rtol=0.05 if cast else 1e-5, atol=tol, msg=lambda m, mod=module, why=why: f"{mod} ({why}): {m}")
 
 
@@ -283,7 +286,8 @@ def megatron_shards(draw: st.DrawFn) -> dict[str, Any]:
     slot = draw(st.sampled_from((None, None, 0, 2)))
     peft = make_peft(cfg, r=r, seed=draw(st.integers(0, 2**31 - 1)), shared_a=lora_type == "lora")
     shards = build_shards(peft, cfg, tp=tp, pp=pp, lora_type=lora_type, max_rank=pad, slot=slot, prefix=draw(st.sampled_from(("", "module."))))
-    mutation = draw(st.sampled_from(("none",) * 6 + ("drop_shard", "drop_key", "shape", "dtype", "non_tensor", "nan", "pad_noise", "config", "extra_shard")))
+    damage = ("drop_shard", "drop_key", "shape", "dtype", "non_tensor", "nan", "pad_noise", "config", "extra_shard")
+    mutation = draw(st.sampled_from(("none",) * 6 + damage))
     key = draw(st.sampled_from(sorted(shards)))
     names = sorted(k for k in shards[key] if k.endswith((".linear_in.weight", ".linear_out.weight")) and ".adapters." + str((slot or 0) + 1) not in k)
     victim = draw(st.sampled_from(names))
@@ -390,9 +394,9 @@ def megatron_reference(case: dict[str, Any]) -> dict[str, torch.Tensor]:
             if leaf is None:
                 raise ValueError(f"unknown sub-adapter {sub}")
             out[hf + leaf] = torch.cat(bs) @ a * scale
-    want_shapes = {"q_proj": (heads * d, cfg["hidden_size"]), "k_proj": (kv * d, cfg["hidden_size"]), "v_proj": (kv * d, cfg["hidden_size"]),
-                   "o_proj": (cfg["hidden_size"], heads * d), "gate_proj": (cfg["intermediate_size"], cfg["hidden_size"]),
-                   "up_proj": (cfg["intermediate_size"], cfg["hidden_size"]), "down_proj": (cfg["hidden_size"], cfg["intermediate_size"])}  # fmt: skip
+    h, i = cfg["hidden_size"], cfg["intermediate_size"]
+    want_shapes = {"q_proj": (heads * d, h), "k_proj": (kv * d, h), "v_proj": (kv * d, h), "o_proj": (h, heads * d),
+                   "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}  # fmt: skip
     for module, delta in out.items():
         if tuple(delta.shape) != want_shapes[module.rsplit(".", 1)[-1]]:
             raise ValueError(f"{module}: ΔW {tuple(delta.shape)} does not fit the base model")

@@ -8,6 +8,7 @@ import json
 import os
 import struct
 import tempfile
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -86,15 +87,15 @@ def _dir_cases(base: Path) -> list[tuple[str, Path, type[LoraSyncError]]]:
         change(d)
         cases.append((label, d, error))
 
-    make("extra safetensors", lambda d: good.save(d / "sub") and os.replace(d / "sub" / "adapter_model.safetensors", d / "evil.safetensors"), AdapterError)
-    make("extra safetensors, hidden", lambda d: (d / ".x.safetensors").write_bytes((d / "adapter_model.safetensors").read_bytes()), AdapterError)
+    make("extra safetensors", lambda d: _copy(d / "adapter_model.safetensors", d / "evil.safetensors"), AdapterError)
+    make("extra safetensors, hidden", lambda d: _copy(d / "adapter_model.safetensors", d / ".x.safetensors"), AdapterError)
     make("header claims a huge tensor", lambda d: _write_safetensors_header(
         d / "adapter_model.safetensors", {KA: {"dtype": "F32", "shape": [2**31, 2**31], "data_offsets": [0, 2**62]}}), StorageError)  # fmt: skip
     make("header length beyond the file", lambda d: (d / "adapter_model.safetensors").write_bytes(struct.pack("<Q", 2**60) + b"{}"), StorageError)
     make("shape and bytes disagree", lambda d: _write_safetensors_header(
         d / "adapter_model.safetensors", {KA: {"dtype": "F32", "shape": [4, 16], "data_offsets": [0, 8]}}, b"\0" * 8), StorageError)  # fmt: skip
     make("weights are a pickle", lambda d: (d / "adapter_model.safetensors").write_bytes(b"\x80\x04\x95" + b"\0" * 64), StorageError)
-    make("weights are a symlink to /etc/passwd", lambda d: ((d / "adapter_model.safetensors").unlink(), (d / "adapter_model.safetensors").symlink_to("/etc/passwd")), StorageError)  # fmt: skip
+    make("weights are a symlink to /etc/passwd", lambda d: _symlink(d / "adapter_model.safetensors", "/etc/passwd"), StorageError)
     make("config is not JSON", lambda d: (d / "adapter_config.json").write_text("{"), AdapterError)
     make("config is a list", lambda d: (d / "adapter_config.json").write_text("[]"), AdapterError)
     make("config nests 100000 deep", lambda d: (d / "adapter_config.json").write_text("[" * 100_000 + "]" * 100_000), AdapterError)
@@ -105,6 +106,15 @@ def _dir_cases(base: Path) -> list[tuple[str, Path, type[LoraSyncError]]]:
     make("no weights file", lambda d: (d / "adapter_model.safetensors").unlink(), StorageError)
     make("key with traversal", lambda d: _resave(d, {"base_model.model.../../x.lora_A.weight": torch.randn(4, 16)}), InvalidKeyError)
     return cases
+
+
+def _copy(src: Path, dst: Path) -> None:
+    dst.write_bytes(src.read_bytes())
+
+
+def _symlink(path: Path, target: str) -> None:
+    path.unlink()
+    path.symlink_to(target)
 
 
 def _patch(d: Path, **changes: Any) -> None:
@@ -119,6 +129,15 @@ def _resave(d: Path, extra: dict[str, torch.Tensor]) -> None:
     tensors = load_file(str(d / "adapter_model.safetensors"))
     tensors.update(extra)
     save_file(tensors, str(d / "adapter_model.safetensors"))
+
+
+def _publishing(engine: MemoryEngine, store: Path, *, name: Any = "p", version: Any = 1) -> Callable[[], Any]:
+    return lambda: publish_adapter(tiny_adapter(3), engine, name=name, version=version, root=store)
+
+
+def _untouched(engine: MemoryEngine, store: Path) -> Callable[[], str | None]:
+    """Nothing reached the engine or the store."""
+    return lambda: f"the engine saw {engine.ops}" if engine.ops else ("the store was written" if store.exists() else None)
 
 
 def run_hostile() -> dict[str, Any]:
@@ -144,23 +163,16 @@ def run_hostile() -> dict[str, Any]:
         violations.append(f"{label}: accepted")
 
     adapter = tiny_adapter(3)
-    with tempfile.TemporaryDirectory(prefix="lorasync-hostile-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="lorasync-hostile-") as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # PEFT warns about the foreign configs it is fed
         root = Path(tmp)
-        for name in HOSTILE_NAMES:
-            engine, store = MemoryEngine(), root / "names"
-
-            def untouched(engine: MemoryEngine = engine, store: Path = store) -> str | None:
-                return f"the engine saw {engine.ops}" if engine.ops else ("the store was written" if store.exists() else None)
-
-            expect(f"name {name!r:.40}", lambda n=name, e=engine, s=store: publish_adapter(adapter, e, name=n, version=1, root=s), InvalidNameError, untouched)
-            expect(f"store path for name {name!r:.40}", lambda n=name: DiskStore(root / "names").path_for(n, 1), InvalidNameError)
-        for version in HOSTILE_VERSIONS:
-            engine, store = MemoryEngine(), root / "versions"
-
-            def untouched_v(engine: MemoryEngine = engine, store: Path = store) -> str | None:
-                return f"the engine saw {engine.ops}" if engine.ops else ("the store was written" if store.exists() else None)
-
-            expect(f"version {version!r:.40}", lambda v=version, e=engine, s=store: publish_adapter(adapter, e, name="p", version=v, root=s), InvalidNameError, untouched_v)
+        for i, name in enumerate(HOSTILE_NAMES):
+            engine, store = MemoryEngine(), root / f"name{i}"
+            expect(f"name {name!r:.40}", _publishing(engine, store, name=name), InvalidNameError, _untouched(engine, store))
+            expect(f"store path for name {name!r:.40}", lambda n=name: DiskStore(store).path_for(n, 1), InvalidNameError)
+        for i, version in enumerate(HOSTILE_VERSIONS):
+            engine, store = MemoryEngine(), root / f"version{i}"
+            expect(f"version {version!r:.40}", _publishing(engine, store, version=version), InvalidNameError, _untouched(engine, store))
         for label, call, error in _tensor_cases():
             expect(f"tensors: {label}", call, error)
         engine = MemoryEngine(max_rank=2)
@@ -174,7 +186,8 @@ def run_hostile() -> dict[str, Any]:
         for label, directory, error in dirs:
             expect(f"dir: {label}", lambda d=directory: Adapter.load(d), error)
             mem = MemoryEngine()
-            expect(f"dir via MemoryEngine: {label}", lambda d=directory, e=mem: e.load_adapter("x@v1", d), AdapterRejectedError if error is not StorageError else LoraSyncError)
+            wrapped = LoraSyncError if error is StorageError else AdapterRejectedError  # no config: not found
+            expect(f"dir via MemoryEngine: {label}", lambda d=directory, e=mem: e.load_adapter("x@v1", d), wrapped)
         # The engines' own load path refuses a directory SGLang would read differently, before sending.
         extra = next(d for label, d, _ in dirs if label == "extra safetensors")
         for protocol in ("vllm", "sglang"):

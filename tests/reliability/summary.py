@@ -1,0 +1,76 @@
+"""Print lorasync's reliability figures: faults x transports handled, retries, torn adapters,
+regressions, fuzz cases, hostile inputs. Exits 1 if any scenario found a violation.
+
+    python -m tests.reliability.summary            # bounded (what CI's pytest run measures)
+    python -m tests.reliability.summary --soak     # the long soak documented in docs/reliability.md
+
+Run from the repository root with the library importable (``PYTHONPATH=$PWD`` in a worktree).
+The real-vLLM restart scenario needs the engine venv and runs under pytest only
+(``tests/reliability/test_vllm_restart.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+from . import _fuzz as fz
+from ._figures import table
+from ._harness import run_crash_soak, run_fault_matrix, run_inprocess_matrix, run_race
+from ._hostile import run_hostile
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--soak", action="store_true", help="long soak: 240 kills, 4 x 16x400 races, 1000 fuzz cases each")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    soak = args.soak
+    figures: dict[str, object] = {}
+    violations: list[str] = []
+    timings: dict[str, float] = {}
+
+    def step(name: str, run):  # type: ignore[no-untyped-def]
+        start = time.monotonic()
+        result = run()
+        timings[name] = time.monotonic() - start
+        violations.extend(f"{name}: {v}" for v in result.get("violations", []))
+        return result
+
+    faults = step("faults", run_fault_matrix)
+    figures.update(faults=faults["cases"], faults_handled=faults["handled"])
+    figures.update(fault_retries=faults["retries"], fault_max_requests=faults["max_requests"])
+    inproc = step("inproc", run_inprocess_matrix)
+    figures.update(inproc=inproc["cases"], inproc_handled=inproc["handled"])
+    kills = 240 if soak else 40
+    crash = step("crash", lambda: run_crash_soak(kills=kills, seed=1 if soak else 0))
+    figures.update(kills=crash["kills"], kills_garbage=crash["kills_leaving_garbage"], torn=crash["torn"])
+    seeds, versions = (range(100, 104), 400) if soak else (range(2), 48)
+    races = [step(f"race{seed}", lambda seed=seed: run_race(publishers=16, versions=versions, seed=seed)) for seed in seeds]
+    figures.update(race=f"16 x {versions}", races=len(races), regressions=sum(r["regressions"] for r in races))
+    examples = 1000 if soak else 150
+    for kind, strategy, check in (("fsdp", fz.fsdp_state_dicts, fz.check_fsdp_state_dict), ("peft", fz.peft_models, fz.check_peft_model),
+                                  ("megatron", fz.megatron_shards, fz.check_megatron)):  # fmt: skip
+        start = time.monotonic()
+        try:
+            figures[f"fuzz_{kind}"] = fz.fuzz(strategy(), check, examples, derandomize=not soak)
+        except Exception as exc:  # a falsified property
+            figures[f"fuzz_{kind}"] = "FAILED"
+            violations.append(f"fuzz {kind}: {exc}")
+        timings[f"fuzz_{kind}"] = time.monotonic() - start
+    hostile = step("hostile", run_hostile)
+    figures.update(hostile=hostile["tried"], hostile_rejected=hostile["rejected"])
+
+    print(table(figures))
+    print(f"{'wall time (s)':<50} {sum(timings.values()):>10.0f}")
+    print(f"{'violations':<50} {len(violations):>10}")
+    for line in violations[:50]:
+        print("  " + line)
+    return 1 if violations else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
