@@ -9,9 +9,10 @@ directory, the shared-memory segment an IPC load writes, the buckets of a merged
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import struct
+import subprocess
+import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ import torch
 from benchmarks._shapes import VLLM_FUSED
 from lorasync.engines import Capabilities, Engine
 from lorasync.errors import AdapterNotFoundError
-from lorasync.transports._shm import read_segment, write_segment
+from lorasync.transports._shm import write_segment
 
 __all__ = ["CONFIG_KEY", "CountingEngine", "Counts", "ShmReader", "safetensors_data_bytes"]
 
@@ -117,70 +118,59 @@ def _segment_data_bytes(seg: Any) -> int:
 
 
 class ShmReader:
-    """A second process that attaches to segments and copies their tensors out
-    (``lorasync.transports._shm.read_segment``), then answers with the bytes it read.
+    """A second Python process (``benchmarks._reader``) that attaches to segments and copies
+    their tensors out with ``lorasync.transports._shm.read_segment``, as an engine worker does.
 
-    Start once (a spawned Python imports torch: seconds), then ``read()`` per handoff.
+    It is a separate interpreter (not a multiprocessing child), so, like a real engine, it has its
+    own resource tracker. Start once (it imports torch: seconds), then ``read()`` per handoff.
+
+    Args:
+        threads (`int`, *optional*): ``torch.set_num_threads`` in the reader (default: torch's).
     """
 
-    def __init__(self) -> None:
-        ctx = mp.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_reader_main, args=(child,), daemon=True)
-        self._proc.start()
-        child.close()
-        if self._conn.recv() != "ready":
-            raise RuntimeError("shared-memory reader did not start")
+    def __init__(self, *, threads: int | None = None) -> None:
+        root = str(Path(__file__).resolve().parent.parent)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
+        args = [sys.executable, "-m", "benchmarks._reader"] + ([str(threads)] if threads else [])
+        self._proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True, bufsize=1)
+        if self._ask("ping") != "ready":
+            self.close()
+            raise RuntimeError("the shared-memory reader process did not start")
+
+    def _ask(self, *words: object) -> str:
+        assert self._proc.stdin is not None and self._proc.stdout is not None
+        self._proc.stdin.write(" ".join(str(w) for w in words) + "\n")
+        self._proc.stdin.flush()
+        answer = self._proc.stdout.readline().strip()
+        if not answer or answer.startswith("error"):
+            raise RuntimeError(f"shared-memory reader failed: {answer or 'it exited'}")
+        return answer
 
     def read(self, name: str, nbytes: int) -> int:
-        """Have the reader copy segment ``name`` out; returns the tensor bytes it got."""
-        self._conn.send(("read", name, nbytes))
-        return int(self._conn.recv())
+        """Have the reader ``read_segment`` ``name``; returns the tensor bytes it got."""
+        return int(self._ask("read", name, nbytes))
 
     def copy(self, name: str, nbytes: int) -> int:
-        """Have the reader copy ``nbytes`` raw bytes out of segment ``name`` (one memcpy; the
-        floor for any copy-out handoff)."""
-        self._conn.send(("copy", name, nbytes))
-        return int(self._conn.recv())
+        """Have the reader copy ``nbytes`` raw bytes out of segment ``name`` (one memcpy: the
+        floor of any copy-out handoff)."""
+        return int(self._ask("copy", name, nbytes))
 
     def close(self) -> None:
-        if self._proc.is_alive():
-            self._conn.send(("stop", "", 0))
-            self._proc.join(10)
-        if self._proc.is_alive():
-            self._proc.terminate()
-            self._proc.join(5)
-        self._conn.close()
+        if self._proc.poll() is None:
+            try:
+                assert self._proc.stdin is not None
+                self._proc.stdin.write("stop\n")
+                self._proc.stdin.flush()
+                self._proc.wait(10)
+            except (OSError, subprocess.TimeoutExpired):
+                self._proc.kill()
+                self._proc.wait(5)
+        for stream in (self._proc.stdin, self._proc.stdout):
+            if stream is not None:
+                stream.close()
 
     def __enter__(self) -> ShmReader:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _reader_main(conn: Any) -> None:
-    from multiprocessing import resource_tracker, shared_memory
-
-    conn.send("ready")
-    while True:
-        op, name, nbytes = conn.recv()
-        if op == "stop":
-            return
-        if op == "read":
-            tensors, _ = read_segment(name, nbytes)
-            conn.send(sum(t.numel() * t.element_size() for t in tensors.values()))
-            del tensors
-            continue
-        shm = shared_memory.SharedMemory(name=name, create=False)
-        try:
-            resource_tracker.unregister(shm._name, "shared_memory")  # the producer owns it
-        except Exception:
-            pass
-        src = torch.frombuffer(shm.buf, dtype=torch.uint8, count=nbytes)
-        dst = torch.empty(nbytes, dtype=torch.uint8)
-        dst.copy_(src)
-        del src
-        shm.close()
-        conn.send(dst.numel())
-        del dst

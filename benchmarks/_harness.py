@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Goal", "Options", "Report", "Table", "Timing", "fmt_bytes", "fmt_ms", "machine_info", "progress", "ranks_or", "timeit"]
+__all__ = ["Case", "Goal", "Options", "Report", "Table", "Timing", "fmt_bytes", "fmt_ms", "machine_info", "progress", "ranks_or", "timeit", "timeit_many"]
 
 
 @dataclass
@@ -94,6 +94,33 @@ def timeit(
         if i >= warmup:
             samples.append(elapsed)
     return Timing(samples)
+
+
+@dataclass
+class Case:
+    """One timed function with untimed per-run setup and teardown."""
+
+    fn: Callable[[], Any]
+    setup: Callable[[], Any] | None = None
+    teardown: Callable[[], Any] | None = None
+
+
+def timeit_many(cases: dict[str, Case], *, repeats: int, warmup: int = 1, label: str = "", show: bool = True) -> dict[str, Timing]:
+    """Time several cases round-robin (case 1, case 2, ..., case 1, ...), so that on a shared
+    machine each sees the same background load; ratios between them stay meaningful."""
+    samples: dict[str, list[float]] = {name: [] for name in cases}
+    for i in progress(range(warmup + repeats), desc=label, show=show and bool(label)):
+        for name, case in cases.items():
+            if case.setup is not None:
+                case.setup()
+            start = time.perf_counter()
+            case.fn()
+            elapsed = time.perf_counter() - start
+            if case.teardown is not None:
+                case.teardown()
+            if i >= warmup:
+                samples[name].append(elapsed)
+    return {name: Timing(s) for name, s in samples.items()}
 
 
 def progress(iterable: Any, *, desc: str = "", show: bool = True, total: int | None = None) -> Any:

@@ -86,6 +86,7 @@ class ModelShape:
     qkv_bias: bool = False
     qk_norm: bool = False
     dtype: torch.dtype = torch.bfloat16
+    model_type: str = "llama"
 
     # -- loading ----------------------------------------------------------------------------
 
@@ -139,9 +140,22 @@ class ModelShape:
                 qkv_bias=bool(config.get("attention_bias", model_type.startswith("qwen2"))),
                 qk_norm=model_type.startswith("qwen3"),
                 dtype=_DTYPES.get(str(config.get("torch_dtype") or config.get("dtype") or "bfloat16"), torch.bfloat16),
+                model_type=model_type or "llama",
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"model config {name!r} lacks a geometry field ({exc}); it needs hidden_size, intermediate_size, num_hidden_layers, num_attention_heads, vocab_size") from exc
+
+    def hf_config(self) -> object:
+        """A ``transformers`` config of this geometry (to build a model on the meta device)."""
+        from transformers import AutoConfig
+
+        fields = dict(
+            hidden_size=self.hidden, intermediate_size=self.intermediate, num_hidden_layers=self.layers, num_attention_heads=self.heads,
+            num_key_value_heads=self.kv_heads, head_dim=self.head_dim, vocab_size=self.vocab, tie_word_embeddings=self.tied,
+        )
+        if self.experts:
+            fields.update(num_experts=self.experts, moe_intermediate_size=self.moe_intermediate, decoder_sparse_step=self.sparse_step, mlp_only_layers=list(self.dense_layers))
+        return AutoConfig.for_model(self.model_type, **fields)
 
     # -- modules ----------------------------------------------------------------------------
 

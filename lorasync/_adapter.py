@@ -11,9 +11,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import struct
+import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import MappingProxyType
+from typing import Any
 
 import torch
 
@@ -128,9 +131,9 @@ class Adapter:
             h = hashlib.sha256()
             h.update(json.dumps(self._config.to_dict(), sort_keys=True).encode())
             for key, tensor in self._tensors.items():
-                cpu = tensor.detach().to("cpu").contiguous()
+                cpu = _cpu_contiguous(tensor)
                 h.update(f"\0{key}\0{cpu.dtype}\0{tuple(cpu.shape)}\0".encode())
-                h.update(cpu.reshape(-1).view(torch.uint8).numpy().tobytes())
+                h.update(_raw_bytes(cpu))  # the tensor's memory in place: no staging copy
             self._hash = h.hexdigest()
         return self._hash
 
@@ -167,13 +170,11 @@ class Adapter:
         Raises:
             StorageError: the directory cannot be written.
         """
-        from safetensors.torch import save_file
-
         path = Path(directory)
         try:
             path.mkdir(parents=True, exist_ok=True)
-            tensors = {k: t.detach().to("cpu").contiguous() for k, t in self._tensors.items()}
-            save_file(tensors, str(path / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+            tensors = {k: _cpu_contiguous(t) for k, t in self._tensors.items()}
+            _save_safetensors(tensors, path / ADAPTER_WEIGHTS, metadata={"format": "pt"})
             self._config.to_peft().save_pretrained(str(path))
         except OSError as exc:
             raise StorageError(f"cannot write adapter to {path}: {exc}; check the path and free space") from exc
@@ -215,6 +216,60 @@ class Adapter:
             tensors[peft_key(*parsed)] = tensor
         config = AdapterConfig.from_peft(LoraConfig.from_pretrained(str(path)))
         return cls(tensors, config, check_finite=check_finite)
+
+
+def _cpu_contiguous(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor.detach().to("cpu").contiguous()``, skipping the three calls when they are no-ops
+    (per-call overhead adds up over hundreds of tensors)."""
+    if tensor.requires_grad or tensor.device.type != "cpu" or not tensor.is_contiguous():
+        return tensor.detach().to("cpu").contiguous()
+    return tensor
+
+
+def _raw_bytes(tensor: torch.Tensor) -> Any:
+    """The bytes of a CPU-contiguous tensor as a buffer (a numpy view; nothing is copied)."""
+    flat = tensor if tensor.dim() else tensor.reshape(1)
+    return flat.view(torch.uint8).numpy()
+
+
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
+
+
+def _save_safetensors(tensors: Mapping[str, torch.Tensor], file: Path, *, metadata: Mapping[str, str]) -> None:
+    """Write CPU-contiguous ``tensors`` as a safetensors file, each tensor's memory handed
+    straight to ``write`` (no staging copy, little per-tensor overhead).
+
+    Same format as ``safetensors.torch.save_file`` (8-byte little-endian header length, JSON
+    header padded to 8 bytes, data in offset order), which reads it back. Speed only: for ~500
+    tensors / 87 MB, ``save_file`` costs ~1.5x a raw write of the bytes, this ~1.1x
+    (``lorasync bench publish``). Dtypes outside the table and big-endian hosts use ``save_file``.
+    """
+    if sys.byteorder != "little" or any(t.dtype not in _SAFETENSORS_DTYPES for t in tensors.values()):
+        from safetensors.torch import save_file
+
+        save_file(dict(tensors), str(file), metadata=dict(metadata))
+        return
+    header: dict[str, object] = {"__metadata__": dict(metadata)}
+    offset = 0
+    for key, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        header[key] = {"dtype": _SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(file, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for tensor in tensors.values():
+            if tensor.numel():
+                f.write(_raw_bytes(tensor))
 
 
 def _validate(modules: Mapping[str, Mapping[str, torch.Tensor]], config: AdapterConfig, *, check_finite: bool) -> None:
