@@ -97,13 +97,17 @@ def synth_base_dir(
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(seed)
+    pool = torch.empty(_POOL, dtype=torch.float32).normal_(0.0, 0.02, generator=gen).to(shape.dtype)
     by_layer: dict[str, list[tuple[str, int, int]]] = {}
     for name, out, inp in _base_names(shape, scope, layers, fused):
         by_layer.setdefault(name.split(".")[2], []).append((name, out, inp))
     weight_map: dict[str, str] = {}
     for layer, entries in by_layer.items():
         shard = f"layer-{int(layer):05d}.safetensors"
-        save_file({n: torch.empty(o, i, dtype=shape.dtype).normal_(0.0, 0.02, generator=gen) for n, o, i in entries}, str(path / shard))
+        with _one_thread():
+            tensors = {n: _from_pool(pool, (o, i), k) for k, (n, o, i) in enumerate(entries)}
+        save_file(tensors, str(path / shard))
+        del tensors
         weight_map.update({n: shard for n, _, _ in entries})
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return path
