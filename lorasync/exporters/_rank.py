@@ -15,7 +15,7 @@ import torch
 from lorasync._adapter import Adapter
 from lorasync._config import AdapterConfig
 from lorasync._keys import parse_peft_key, peft_key
-from lorasync.errors import PaddedRankError, ShapeMismatchError
+from lorasync.errors import ConfigError, PaddedRankError, ShapeMismatchError
 
 __all__ = ["normalize_scaling", "trim_rank", "trim_tensor"]
 
@@ -65,11 +65,21 @@ def trim_rank(
 
     Raises:
         PaddedRankError: non-zero padding.
+        ConfigError: a per-module ``rank`` mapping lacks one of the modules.
     """
     out: dict[str, torch.Tensor] = {}
     for key, tensor in tensors.items():
         module, side = parse_peft_key(key)
-        r = rank if isinstance(rank, int) else rank[module]
+        if isinstance(rank, int):
+            r = rank
+        elif module in rank:
+            r = rank[module]
+        else:
+            raise ConfigError(
+                f"no rank given for {module}; the rank mapping must cover every exported module "
+                f"(it has {len(rank)} entries), or pass one int",
+                key=key,
+            )
         out[key] = trim_tensor(tensor, side, r, name=module)
     return out
 
