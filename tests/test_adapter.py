@@ -227,9 +227,24 @@ BAD_INPUTS = {
     "B rank != r": (_with(key(DOWN, "B"), torch.zeros(32, 8)), CONFIG, ShapeMismatchError, DOWN),
     "3-D factor": (_with(key(V, "A"), torch.zeros(1, 4, 32)), CONFIG, ShapeMismatchError, key(V, "A")),
     "r in config != tensors": (make_tensors(), CONFIG.with_(r=8), ShapeMismatchError, Q),
-    "mixed dtypes": (_with(key(V, "B"), torch.zeros(16, 4, dtype=torch.bfloat16)), CONFIG, DtypeMismatchError, key(V, "B")),
-    "integer tensor": (_with(key(Q, "B"), torch.zeros(32, 4, dtype=torch.int64)), CONFIG, DtypeMismatchError, key(Q, "B")),
-    "embed_tokens": (_with("model.embed_tokens.weight", torch.zeros(8, 32)), CONFIG, InvalidKeyError, "model.embed_tokens.weight"),
+    "mixed dtypes": (
+        _with(key(V, "B"), torch.zeros(16, 4, dtype=torch.bfloat16)),
+        CONFIG,
+        DtypeMismatchError,
+        key(V, "B"),
+    ),
+    "integer tensor": (
+        _with(key(Q, "B"), torch.zeros(32, 4, dtype=torch.int64)),
+        CONFIG,
+        DtypeMismatchError,
+        key(Q, "B"),
+    ),
+    "embed_tokens": (
+        _with("model.embed_tokens.weight", torch.zeros(8, 32)),
+        CONFIG,
+        InvalidKeyError,
+        "model.embed_tokens.weight",
+    ),
     "PEFT-prefixed embed_tokens": (
         _with("base_model.model.model.embed_tokens.weight", torch.zeros(8, 32)),
         CONFIG,
@@ -243,7 +258,12 @@ BAD_INPUTS = {
         "lora_A.default.weight",
     ),
     "not a tensor": (_with(key(Q, "A"), [[0.0] * 32] * 4), CONFIG, AdapterError, key(Q, "A")),
-    "target_modules miss a module": (make_tensors(), CONFIG.with_(target_modules=("q_proj", "v_proj")), ShapeMismatchError, DOWN),
+    "target_modules miss a module": (
+        make_tensors(),
+        CONFIG.with_(target_modules=("q_proj", "v_proj")),
+        ShapeMismatchError,
+        DOWN,
+    ),
 }
 
 
@@ -305,3 +325,10 @@ def test_unknown_adapter_on_state_dict_export_lists_available() -> None:
 def test_config_refuses_unservable_settings(data: dict[str, Any], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         AdapterConfig.from_peft(data)
+
+
+def test_state_dict_export_with_a_missing_factor_names_it() -> None:
+    state = {f"module.base_model.model.{Q}.lora_B.default.weight": torch.zeros(32, 4)}
+    with pytest.raises(MissingPairError) as info:
+        export(state, alpha=8)
+    assert key(Q, "A") in str(info.value)

@@ -82,7 +82,9 @@ def export(
     if base is None:
         if alpha is None:
             raise ConfigError("exporting from a state dict needs alpha= (lora_alpha) or config=")
-        real = rank if isinstance(rank, int) else max(t.shape[-2] for k, t in raw.items() if k.endswith("lora_A.weight"))
+        # The tensors' own rank: A's rows (B's columns when A is missing; validation names it).
+        ranks = [t.shape[-2] for k, t in raw.items() if k.endswith(".lora_A.weight")]
+        real = rank if isinstance(rank, int) else max(ranks or [t.shape[-1] for t in raw.values()])
         base = AdapterConfig(r=real, lora_alpha=alpha)
     # Derived from what is exported, never from a pattern like "all-linear".
     changes: dict[str, Any] = {"target_modules": ()}

@@ -26,7 +26,9 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _entry(rank: int, fn: Callable[..., None], world_size: int, port: int, timeout_s: float, args: tuple[Any, ...]) -> None:
+def _entry(
+    rank: int, fn: Callable[..., None], world_size: int, port: int, timeout_s: float, args: tuple[Any, ...]
+) -> None:
     import torch
     import torch.distributed as dist
 
