@@ -244,9 +244,17 @@ def _validate(modules: Mapping[str, Mapping[str, torch.Tensor]], config: Adapter
         for side, t in (("A", a), ("B", b)):
             key = peft_key(module, side)
             if t.dim() != 2:
-                raise ShapeMismatchError(f"{key} must be 2-D, got shape {tuple(t.shape)}", key=key)
+                raise ShapeMismatchError(
+                    f"{key} must be 2-D, got shape {tuple(t.shape)}; split packed [E, ...] expert "
+                    "factors into one module per expert",
+                    key=key,
+                )
             if not t.is_floating_point():
-                raise DtypeMismatchError(f"{key} has non-floating dtype {t.dtype}", key=key)
+                raise DtypeMismatchError(
+                    f"{key} has non-floating dtype {t.dtype}; LoRA factors must be float32, bfloat16 "
+                    "or float16 (cast them before building the Adapter)",
+                    key=key,
+                )
             if dtype is None:
                 dtype, first_key = t.dtype, key
             elif t.dtype != dtype:

@@ -36,10 +36,12 @@ class AdapterConfig:
         default=None, metadata={"help": "Base model id or path the adapter belongs to."}
     )
     rank_pattern: Mapping[str, int] = field(
-        default_factory=dict, metadata={"help": "Per-module rank overrides (PEFT semantics)."}
+        default_factory=dict,
+        metadata={"help": "Per-module rank overrides (PEFT semantics: first match in insertion order)."},
     )
     alpha_pattern: Mapping[str, float] = field(
-        default_factory=dict, metadata={"help": "Per-module alpha overrides (PEFT semantics)."}
+        default_factory=dict,
+        metadata={"help": "Per-module alpha overrides (PEFT semantics: first match in insertion order)."},
     )
 
     def __post_init__(self) -> None:
