@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+import lorasync
 from lorasync.errors import ConfigError, PaddedRankError, ShapeMismatchError
 from lorasync.exporters import trim_rank, trim_tensor
 from lorasync.exporters.fsdp import export
@@ -114,7 +117,12 @@ def test_trim_under_python_O_still_raises() -> None:
         print("ASSERTS", __debug__)
         """
     )
-    result = subprocess.run([sys.executable, "-O", "-c", code], capture_output=True, text=True, timeout=120)
+    # The child imports the same lorasync this test imported, wherever pytest runs from.
+    root = str(Path(lorasync.__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run(
+        [sys.executable, "-O", "-c", code], capture_output=True, text=True, timeout=120, env=env
+    )
     assert result.returncode == 0, result.stderr
     assert "ASSERTS False" in result.stdout
     assert "RAISED 0.5" in result.stdout
