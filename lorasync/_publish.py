@@ -176,6 +176,21 @@ class Publisher:
             timings=timings,
         )
 
+    def restore_base(self) -> None:
+        """Undo merged publishes: every engine this publisher merged into gets its pristine base
+        weights back (adapter-serving engines are untouched)."""
+        _run_sync(self.arestore_base)
+
+    async def arestore_base(self) -> None:
+        if self._merged is None:
+            return
+        for engine in self.engines:
+            state = self._state[id(engine)]
+            if state.merged is not None:
+                caps = state.caps or await engine.acapabilities()
+                await self._merged.restore(engine, caps)
+                state.merged = None
+
     def close(self) -> None:
         for engine in self.engines:
             engine.close()
@@ -208,7 +223,7 @@ class Publisher:
                 return result
             self._check_monotonic(state, transport, version, digest)
             if transport.versioned:
-                await self._check_capacity(engine, state.caps)
+                result.retired = await self._check_capacity(engine, transport, state)
             result.timings["preflight"] = time.perf_counter() - t0
 
             delivery = await transport.deliver(adapter, engine, state.caps, name=self.name, version=version, served=served)
@@ -224,10 +239,11 @@ class Publisher:
                 t0 = time.perf_counter()
                 await self._verify(engine, transport, probe, served if transport.versioned else None, state, version)
                 result.timings["verify"] = time.perf_counter() - t0
+                result.reason += "; verified through the engine"
             result.status = "loaded"
             if transport.versioned:
                 t0 = time.perf_counter()
-                result.retired = await self._retire(engine, transport, state)
+                result.retired += await self._retire(engine, transport, state)
                 result.timings["retire"] = time.perf_counter() - t0
         except LoraSyncError as exc:
             result.error = exc
@@ -320,10 +336,31 @@ class Publisher:
                 newest=newest,
             )
 
-    async def _check_capacity(self, engine: Engine, caps: Capabilities) -> None:
+    async def _check_capacity(self, engine: Engine, transport: Transport, state: _EngineState) -> list[str]:
+        """Make room for one more adapter without evicting anything that must keep serving.
+
+        On an engine with a known capacity, versions that fall out of the retention window anyway
+        are retired first (never the newest one, which serves until the new version is loaded),
+        so concurrent publishers of several names never overrun the engine together. Returns
+        what was retired.
+        """
+        caps = state.caps
+        assert caps is not None
         if caps.max_loras is None:
-            return
+            return []
         loaded = await engine.alist_adapters()
+        retired: list[str] = []
+        doomed = sorted(state.versions)[: max(0, len(state.versions) - max(self.keep - 1, 1))]
+        while doomed:
+            old = doomed.pop(0)
+            old_served = served_name(self.name, old)
+            try:
+                await transport.retire(engine, name=self.name, version=old, served=old_served)
+            except AdapterNotFoundError:
+                pass
+            state.versions.pop(old, None)
+            retired.append(old_served)
+            loaded = [n for n in loaded if n != old_served]
         if len(loaded) + 1 > caps.max_loras:
             raise CapacityError(
                 f"{caps.engine} at {caps.url or '?'} already holds {len(loaded)} adapters ({', '.join(sorted(loaded)[:8])}) "
@@ -333,6 +370,7 @@ class Publisher:
                 url=caps.url,
                 capacity=caps.max_loras,
             )
+        return retired
 
     async def _verify(self, engine: Engine, transport: Transport, probe: Probe, served: str | None, state: _EngineState, version: int) -> None:
         ids, logprobs = await engine.agreedy(served, list(probe.prompt_ids), len(probe.expected_ids))

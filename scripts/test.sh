@@ -7,6 +7,10 @@ bash scripts/bootstrap.sh
 # The vLLM CPU engine lives in its own venv, cached outside the repo and reused.
 LORASYNC_VLLM_PYTHON="$(bash scripts/engine-venv.sh | tail -n 1)"
 export LORASYNC_VLLM_PYTHON
+# SGLang's own HTTP layer (CPU import only) for the SGLang contract peer. A failed build shows up
+# as failing SGLang tests (LORASYNC_REQUIRE_SGLANG=1 in CI) instead of aborting here.
+LORASYNC_SGLANG_PYTHON="$(bash scripts/sglang-venv.sh | tail -n 1)" || LORASYNC_SGLANG_PYTHON=""
+export LORASYNC_SGLANG_PYTHON
 set +e
 .venv/bin/python -m pytest "$@"
 rc=$?

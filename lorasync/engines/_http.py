@@ -95,11 +95,19 @@ class HTTPEngine(Engine):
 
     # -- drivers --------------------------------------------------------------------------------
 
+    # A failed call is thrown into the operation (``op.throw``), so an operation that opened a
+    # server-side session can close it in ``finally``; uncaught, it propagates unchanged.
+
     def _run(self, op: Operation[T], *, adapter: str | None = None) -> T:
         try:
             call = next(op)
             while True:
-                call = op.send(self._send(call, adapter))
+                try:
+                    response = self._send(call, adapter)
+                except EngineError as exc:
+                    call = op.throw(exc)
+                else:
+                    call = op.send(response)
         except StopIteration as stop:
             return stop.value  # type: ignore[no-any-return]
 
@@ -107,7 +115,12 @@ class HTTPEngine(Engine):
         try:
             call = next(op)
             while True:
-                call = op.send(await self._asend(call, adapter))
+                try:
+                    response = await self._asend(call, adapter)
+                except EngineError as exc:
+                    call = op.throw(exc)
+                else:
+                    call = op.send(response)
         except StopIteration as stop:
             return stop.value  # type: ignore[no-any-return]
 

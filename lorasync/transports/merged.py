@@ -85,3 +85,14 @@ class MergedTransport(Transport):
 
     async def retire(self, engine: Engine, *, name: str, version: int, served: str) -> None:
         """Nothing to unload: the next merge replaces this one."""
+
+    async def restore(self, engine: Engine, caps: Capabilities) -> int:
+        """Put the pristine base weights back on every module a merge touched; bytes pushed."""
+        previous = self._merged.pop(id(engine), None)
+        if previous is None:
+            return 0
+        await engine.abegin_weight_update()
+        try:
+            return await self._push(engine, None, set(previous.modules), caps)
+        finally:
+            await engine.aend_weight_update()

@@ -1,0 +1,700 @@
+"""Client for a running vLLM OpenAI server's runtime LoRA routes (tested against vLLM 0.32).
+
+What the server needs: ``--enable-lora`` (with ``--max-lora-rank`` at least the adapters' rank),
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`` in its environment and ``--api-server-count 1``.
+``VLLM_SERVER_DEV_MODE=1`` additionally lets lorasync read the max rank from ``/server_info``
+and reach a lorasync worker extension through ``/collective_rpc``.
+
+Quirks handled here (see docs/engines/vllm.md):
+
+* Success is a plain-text 200 with no content type; errors are ``{"error": {...}}`` (flat
+  ``{"message": ...}`` before vLLM 0.10.1, ``{"detail": ...}`` from FastAPI itself). Bodies are
+  read with ``body_json``/``body_text``, never ``.json()``.
+* Load failures come back as 400/404/500 whose only stable part is the message text; they are
+  mapped to typed errors by status and substring.
+* A retried load answered "already been loaded" is our earlier attempt having landed (lorasync
+  loads unique versioned names): it counts as success once ``/v1/models`` confirms the path.
+* ``load_inplace=True`` is persisted by vLLM 0.32 and re-reads the files on every step; it is
+  off unless asked for, and ``capabilities().load_inplace`` is False.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+from urllib.parse import urlsplit
+
+import httpx
+
+from lorasync._retry import RetryPolicy
+from lorasync.transports._shm import write_segment
+from lorasync.engines._base import Capabilities
+from lorasync.engines._http import Call, HTTPEngine, Operation, body_json, body_text
+from lorasync.errors import (
+    AdapterAlreadyLoadedError,
+    AdapterNotFoundError,
+    AdapterRejectedError,
+    CapabilityError,
+    ConfigError,
+    EngineError,
+    EngineProtocolError,
+    EngineUnavailableError,
+    IncompatibleAdapterError,
+    LoraNotEnabledError,
+    RankTooLargeError,
+    RuntimeLoraDisabledError,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+    from lorasync._adapter import Adapter
+
+__all__ = ["Completion", "VLLMEngine"]
+
+LOAD_ROUTE = "/v1/load_lora_adapter"
+UNLOAD_ROUTE = "/v1/unload_lora_adapter"
+MODELS_ROUTE = "/v1/models"
+COMPLETIONS_ROUTE = "/v1/completions"
+SERVER_INFO_ROUTE = "/server_info"
+RPC_ROUTE = "/collective_rpc"
+RUNTIME_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+# Must match lorasync.engines.vllm_worker (not imported here: it needs vLLM).
+IPC_PREFIX = "/lorasync-ipc/"
+CONFIG_KEY = "lorasync.adapter_config"
+# vLLM stores these HF projections as one fused weight: merged updates send whole groups.
+FUSED_MODULES = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+_RANK = re.compile(r"LoRA rank (\d+) is greater than max_lora_rank (\d+)")
+# Multiprocess executors wrap the worker's message: "... Worker failed with error '<msg>', please check ..."
+_WORKER = re.compile(r"Worker failed with error '(.*)', please check", re.DOTALL)
+_LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1", "0.0.0.0"}
+
+# Substrings of vLLM's refusals of an adapter's content (peft_helper.py, lora_model.py, utils.py),
+# each with what the user should do about it.
+_INCOMPATIBLE: tuple[tuple[str, str], ...] = (
+    ("unsupported LoRA weight", "save with Adapter.save or PEFT save_pretrained (keys without '.default')"),
+    ("expected target modules", "target only modules this model supports (the list is in the message)"),
+    ("support DoRA", "export a plain LoRA adapter (use_dora=False)"),
+    ("bias is not supported", "train the adapter with bias='none'"),
+    ("LoRA bias", "train the adapter with lora_bias=False"),
+    ("Missing required configuration fields", "write adapter_config.json with r, lora_alpha and target_modules"),
+    ("does not support", "export a plain LoRA adapter without that feature"),
+    ("only supports modules_to_save", "drop modules_to_save from the adapter"),
+    ("must be a positive integer", "fix r / rank_pattern in adapter_config.json"),
+)
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A greedy completion: generated token ids and, when asked for, their logprobs.
+
+    ``logprobs[i]`` is the log-probability of ``token_ids[i]``; ``top_logprobs[i]`` maps the
+    top-k token ids at step ``i`` to theirs.
+    """
+
+    model: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...] | None = None
+    top_logprobs: tuple[dict[int, float], ...] | None = None
+    text: str = ""
+
+
+class VLLMEngine(HTTPEngine):
+    """Load, unload and list LoRA adapters on a vLLM OpenAI server.
+
+    Args:
+        url (`str`, defaults to ``"http://127.0.0.1:8000"``): the server's base URL.
+        api_key (`str`, *optional*): the server's ``--api-key``; defaults to ``$VLLM_API_KEY``.
+            Never logged or shown in ``repr``.
+        timeout (`float`): seconds per request; a load reads and validates the adapter first.
+        retries (`RetryPolicy | int | None`): retries of connection errors and 502/503/504.
+        max_rank (`int`, *optional*): the server's ``--max-lora-rank``, reported by
+            ``capabilities()`` when the server does not expose it (no dev mode).
+        max_loras (`int`, *optional*): the server's ``--max-loras``, likewise.
+        same_host (`bool`, *optional*): whether the server reads this host's files; defaults to
+            True for loopback URLs.
+        transport / async_transport: custom ``httpx`` transports (tests).
+
+    Example:
+        >>> engine = VLLMEngine("http://127.0.0.1:8000")  # doctest: +SKIP
+        >>> engine.load_adapter("policy@v3", "/dev/shm/lorasync/policy/v3")  # doctest: +SKIP
+        >>> engine.list_adapters()  # doctest: +SKIP
+        ['policy@v3']
+    """
+
+    kind: ClassVar[str] = "vllm"
+    api_key_env: ClassVar[str] = "VLLM_API_KEY"
+    #: Worker-extension method (``LoraSyncWorkerExtension.lorasync_ping``) that answers a truthy
+    #: value on every worker when lorasync's extension is loaded.
+    worker_extension_probe: ClassVar[str] = "lorasync_ping"
+
+    def __init__(
+        self,
+        url: str = "http://127.0.0.1:8000",
+        *,
+        api_key: str | None = None,
+        timeout: float = 60.0,
+        retries: RetryPolicy | int | None = None,
+        max_rank: int | None = None,
+        max_loras: int | None = None,
+        same_host: bool | None = None,
+        transport: httpx.BaseTransport | None = None,
+        async_transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        super().__init__(
+            url, api_key=api_key, timeout=timeout, retries=retries, transport=transport, async_transport=async_transport
+        )
+        self.max_rank = max_rank
+        self.max_loras = max_loras
+        self.same_host = same_host if same_host is not None else urlsplit(self.url).hostname in _LOCAL_HOSTS
+        self._ipc_tokens: dict[str, str] = {}  # adapter name -> token of tensors staged in the workers
+
+    # -- public API: each operation written once, driven sync and async ---------------------------
+
+    def capabilities(self) -> Capabilities:
+        """Probe the server: LoRA on, runtime routes on, max rank/slots, worker extension.
+
+        Returns:
+            `Capabilities`: ``max_rank``/``max_loras`` come from ``/server_info`` in dev mode,
+            else from the constructor (None when unknown).
+
+        Raises:
+            AuthenticationError, EngineUnavailableError, EngineError.
+        """
+        return self._run(self._capabilities())
+
+    async def acapabilities(self) -> Capabilities:
+        return await self._arun(self._capabilities())
+
+    def load_adapter(self, name: str, path: str | os.PathLike[str], *, load_inplace: bool = False) -> None:
+        """Load the PEFT adapter directory ``path`` (on the server's host) under ``name``.
+
+        Returns once vLLM has read and validated the adapter. Keep the files until the name is
+        unloaded: vLLM re-reads them when an evicted adapter is requested again.
+
+        Args:
+            name (`str`): the name requests select with ``model=name``; use a new versioned
+                name per version.
+            path (`str | os.PathLike`): a local directory; made absolute (vLLM would treat a
+                relative path that it cannot find as a Hugging Face repo id and download it).
+            load_inplace (`bool`, defaults to `False`): replace an already loaded ``name``.
+                On vLLM 0.32 the flag sticks and the files are re-read on every step; deleting
+                them then crashes the engine. Prefer versioned names.
+
+        Raises:
+            AdapterAlreadyLoadedError: ``name`` is loaded and ``load_inplace`` is False.
+            AdapterNotFoundError: no adapter at ``path`` (or no weights in it).
+            RankTooLargeError: the adapter's rank exceeds the server's ``--max-lora-rank``.
+            IncompatibleAdapterError: DoRA, bias, unknown modules or tensor names, or ``name``
+                equals the base model's name.
+            LoraNotEnabledError: the server runs without ``--enable-lora``.
+            RuntimeLoraDisabledError: the server runs without ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``.
+            AuthenticationError, EngineUnavailableError, EngineError.
+        """
+        self._run(self._load(name, path, load_inplace), adapter=name)
+
+    async def aload_adapter(self, name: str, path: str | os.PathLike[str], *, load_inplace: bool = False) -> None:
+        await self._arun(self._load(name, path, load_inplace), adapter=name)
+
+    def unload_adapter(self, name: str) -> None:
+        """Stop serving ``name`` (new requests for it get 404).
+
+        vLLM 0.32 only forgets the name: the weights stay in the engine's LoRA cache until
+        evicted, so memory is not freed.
+
+        Raises:
+            AdapterNotFoundError: ``name`` is not loaded.
+            RuntimeLoraDisabledError, AuthenticationError, EngineUnavailableError, EngineError.
+        """
+        self._run(self._unload(name), adapter=name)
+
+    async def aunload_adapter(self, name: str) -> None:
+        await self._arun(self._unload(name), adapter=name)
+
+    def load_adapter_tensors(self, name: str, adapter: Adapter) -> None:
+        """Load ``adapter`` as ``name`` from shared memory, without files.
+
+        Needs the lorasync worker extension (``--worker-extension-cls
+        lorasync.engines.vllm_worker.LoraSyncWorkerExtension``) and ``VLLM_SERVER_DEV_MODE=1``;
+        the name is registered through the normal load route, so OpenAI requests can select it.
+
+        Raises:
+            CapabilityError-like ``EngineError`` when the extension is missing, plus everything
+            :meth:`load_adapter` raises.
+        """
+        self._run(self._load_tensors(name, adapter), adapter=name)
+
+    async def aload_adapter_tensors(self, name: str, adapter: Adapter) -> None:
+        await self._arun(self._load_tensors(name, adapter), adapter=name)
+
+    def update_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> None:
+        """Replace base weights (HF names) through the worker extension, from shared memory.
+
+        Call between :meth:`begin_weight_update` and :meth:`end_weight_update`; a fused weight
+        (q/k/v, gate/up) must arrive whole in one call.
+        """
+        self._run(self._update_weights(named_tensors))
+
+    async def aupdate_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> None:
+        await self._arun(self._update_weights(named_tensors))
+
+    def begin_weight_update(self) -> None:
+        """Pause generation (in-flight requests finish first) before merged weight updates."""
+        self._run(self._pause())
+
+    async def abegin_weight_update(self) -> None:
+        await self._arun(self._pause())
+
+    def end_weight_update(self) -> None:
+        """Drop prefix-cache blocks computed with the old weights and resume generation."""
+        self._run(self._resume())
+
+    async def aend_weight_update(self) -> None:
+        await self._arun(self._resume())
+
+    def list_adapters(self) -> list[str]:
+        """Names of the LoRA adapters the server serves now (``/v1/models`` cards with a parent)."""
+        return self._run(self._list())
+
+    async def alist_adapters(self) -> list[str]:
+        return await self._arun(self._list())
+
+    def generate(
+        self,
+        prompt_token_ids: Sequence[int],
+        *,
+        model: str,
+        max_tokens: int = 8,
+        logprobs: int | None = 1,
+        ignore_eos: bool = True,
+    ) -> Completion:
+        """Greedy completion (temperature 0) of a token-id prompt through ``/v1/completions``.
+
+        Used to verify a published adapter against the trainer's reference.
+
+        Args:
+            prompt_token_ids (`Sequence[int]`): the prompt, already tokenized.
+            model (`str`): an adapter name (or the base model's served name).
+            max_tokens (`int`): tokens to generate.
+            logprobs (`int`, *optional*, defaults to 1): top-k logprobs per step; None for none.
+            ignore_eos (`bool`, defaults to `True`): always generate ``max_tokens`` tokens.
+
+        Returns:
+            `Completion`: generated token ids, their logprobs and the top-k per step.
+
+        Raises:
+            AdapterNotFoundError: the server serves no model or adapter named ``model``.
+            AuthenticationError, EngineUnavailableError, EngineProtocolError, EngineError.
+        """
+        return self._run(self._generate(prompt_token_ids, model, max_tokens, logprobs, ignore_eos), adapter=model)
+
+    async def agenerate(
+        self,
+        prompt_token_ids: Sequence[int],
+        *,
+        model: str,
+        max_tokens: int = 8,
+        logprobs: int | None = 1,
+        ignore_eos: bool = True,
+    ) -> Completion:
+        return await self._arun(
+            self._generate(prompt_token_ids, model, max_tokens, logprobs, ignore_eos), adapter=model
+        )
+
+    def greedy(self, name: str | None, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
+        """Greedy tokens after ``prompt_ids`` with adapter ``name`` (None: the base model) and each
+        chosen token's log-probability; the verification probe's view of :meth:`generate`.
+
+        Raises:
+            AdapterNotFoundError, AuthenticationError, EngineUnavailableError, EngineError.
+        """
+        return self._run(self._greedy(name, prompt_ids, max_tokens), adapter=name)
+
+    async def agreedy(self, name: str | None, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
+        return await self._arun(self._greedy(name, prompt_ids, max_tokens), adapter=name)
+
+    # -- operations (no I/O: yield a Call, receive its httpx.Response) -----------------------------
+
+    def _capabilities(self) -> Operation[Capabilities]:
+        # GET on a POST-only route: 405 when registered, 404 when runtime updating is off.
+        probe = yield Call("GET", LOAD_ROUTE)
+        if probe.status_code not in (404, 405):
+            raise self._error(probe, LOAD_ROUTE, None, EngineProtocolError, "probe of the runtime LoRA route")
+        runtime_lora = probe.status_code == 405
+
+        lora, max_rank, max_loras, targets, extension_cls = True, self.max_rank, self.max_loras, None, ""
+        info = yield Call("GET", SERVER_INFO_ROUTE, params={"config_format": "json"})
+        config = _dig(body_json(info), "vllm_config") if info.status_code == 200 else None
+        if isinstance(config, dict):  # dev mode: the server's own config is authoritative
+            lora_config = config.get("lora_config")
+            lora = isinstance(lora_config, dict)
+            if isinstance(lora_config, dict):
+                max_rank = lora_config.get("max_lora_rank", max_rank)
+                # The worker's LRU holds max_cpu_loras adapters (>= max_loras GPU slots).
+                max_loras = lora_config.get("max_cpu_loras") or lora_config.get("max_loras", max_loras)
+                if lora_config.get("target_modules"):
+                    targets = frozenset(lora_config["target_modules"])
+            extension_cls = _dig(config, "parallel_config", "worker_extension_cls") or ""
+
+        extension = False
+        if isinstance(config, dict) and extension_cls:
+            extension = yield from self._has_worker_extension()
+
+        version_response = yield Call("GET", "/version")
+        version = _dig(body_json(version_response), "version") if version_response.status_code == 200 else None
+        notes = [
+            f"vllm {version or 'unknown version'}",
+            "unload forgets the name but keeps the weights in the engine's LoRA cache until evicted",
+            "load_inplace re-reads the adapter files on every step (vLLM 0.32); versioned names are used instead",
+            "keep adapter files until their name is unloaded: an evicted adapter is re-read from disk",
+        ]
+        if not isinstance(config, dict):
+            notes.append(
+                "max rank/slots not exposed (start the server with VLLM_SERVER_DEV_MODE=1, or pass max_rank=)"
+            )
+        return Capabilities(
+            engine=self.kind,
+            url=self.url,
+            lora=lora,
+            runtime_lora=runtime_lora,
+            max_rank=max_rank,
+            max_loras=max_loras,
+            target_modules=targets,
+            tensor_load=extension,
+            weight_update=extension,
+            load_inplace=False,
+            same_host=self.same_host,
+            fused_modules=FUSED_MODULES,
+            notes=tuple(notes),
+        )
+
+    def _has_worker_extension(self) -> Operation[bool]:
+        """Hook: True when lorasync's vLLM worker extension answers through ``/collective_rpc``.
+
+        ``/collective_rpc`` exists only with ``VLLM_SERVER_DEV_MODE=1``; the extension is loaded
+        with ``--worker-extension-cls`` and must define :attr:`worker_extension_probe` returning a
+        truthy value on every worker. Any other answer (404, 500 for a missing method) is False.
+        """
+        response = yield Call(
+            "POST", RPC_ROUTE, json={"method": self.worker_extension_probe, "timeout": 30.0}, retry=False
+        )
+        results = _dig(body_json(response), "results") if response.status_code == 200 else None
+        return isinstance(results, list) and bool(results) and all(results)
+
+    def _load(self, name: str, path: str | os.PathLike[str], load_inplace: bool) -> Operation[None]:
+        if not name:
+            raise ConfigError("adapter name must be a non-empty string")
+        lora_path = os.path.abspath(os.fspath(path))
+        body: dict[str, Any] = {"lora_name": name, "lora_path": lora_path}
+        if load_inplace:  # sent only when asked: older servers then refuse instead of ignoring it silently
+            body["load_inplace"] = True
+        response = yield Call("POST", LOAD_ROUTE, json=body)
+        if response.status_code == 200:
+            return
+        message = _message(response)
+        if "has already been loaded" in message and response.extensions.get("lorasync_attempts", 1) > 1:
+            # An earlier attempt of this request reached the server before its connection failed.
+            # Success only if the name now serves our path.
+            models = yield Call("GET", MODELS_ROUTE)
+            served = _adapter_roots(models)
+            if name in served and served[name] in (None, lora_path):
+                return
+        raise self._load_error(response, name, lora_path, message)
+
+    def _load_tensors(self, name: str, adapter: Adapter) -> Operation[None]:
+        if not name:
+            raise ConfigError("adapter name must be a non-empty string")
+        token = uuid.uuid4().hex
+        config = json.dumps(adapter.config.to_peft().to_dict(), default=sorted)
+        segment = write_segment({k: t.detach().to("cpu") for k, t in adapter.tensors.items()}, {CONFIG_KEY: config})
+        try:
+            spec = json.dumps({"token": token, "shm": segment.name, "nbytes": segment.nbytes})
+            yield from self._rpc("lorasync_stage_adapter", spec, adapter=name)
+        finally:
+            # Every worker copied the tensors out (or failed): the segment is no longer needed.
+            segment.release()
+        try:
+            yield from self._load(name, IPC_PREFIX + token, False)
+        except BaseException:
+            yield from self._rpc("lorasync_release_adapter", token, adapter=name, check=False)
+            raise
+        # Released on unload. A restarted client cannot know the token: those tensors stay staged
+        # in the workers until the engine restarts (documented in docs/engines/vllm.md).
+        self._ipc_tokens[name] = token
+
+    def _update_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> Operation[None]:
+        segment = write_segment({k: t.detach().to("cpu") for k, t in named_tensors.items()})
+        try:
+            spec = json.dumps({"shm": segment.name, "nbytes": segment.nbytes})
+            yield from self._rpc("lorasync_update_weights", spec, adapter=None)
+        finally:
+            segment.release()
+
+    def _pause(self) -> Operation[None]:
+        response = yield Call("POST", "/pause", params={"mode": "wait"}, retry=False)
+        if response.status_code != 200:
+            raise self._generic(response, "/pause", None, _message(response), "pausing generation (needs VLLM_SERVER_DEV_MODE=1)")
+
+    def _resume(self) -> Operation[None]:
+        response = yield Call("POST", "/reset_prefix_cache")
+        if response.status_code != 200:
+            raise self._generic(response, "/reset_prefix_cache", None, _message(response), "resetting the prefix cache")
+        response = yield Call("POST", "/resume")
+        if response.status_code != 200:
+            raise self._generic(response, "/resume", None, _message(response), "resuming generation")
+
+    def _rpc(self, method: str, arg: str, *, adapter: str | None, check: bool = True) -> Operation[list[Any]]:
+        """Call a worker-extension method on every worker (``/collective_rpc``; args are strings)."""
+        response = yield Call("POST", RPC_ROUTE, json={"method": method, "args": [arg]}, retry=False)
+        results = _dig(body_json(response), "results") if response.status_code == 200 else None
+        if check and not isinstance(results, list):
+            if response.status_code == 404:
+                raise CapabilityError(
+                    f"{self.kind} at {self.url} has no /collective_rpc: start it with VLLM_SERVER_DEV_MODE=1 and "
+                    "--worker-extension-cls lorasync.engines.vllm_worker.LoraSyncWorkerExtension (or use transport='disk')",
+                    **self.error_context(RPC_ROUTE, adapter, response),
+                )
+            raise self._generic(response, RPC_ROUTE, adapter, _message(response), f"worker call {method}")
+        return results if isinstance(results, list) else []
+
+    def _unload(self, name: str) -> Operation[None]:
+        if not name:
+            raise ConfigError("adapter name must be a non-empty string")
+        response = yield Call("POST", UNLOAD_ROUTE, json={"lora_name": name})
+        if response.status_code == 200:
+            token = self._ipc_tokens.pop(name, None)
+            if token is not None:
+                # Tensors staged in the workers for this name are no longer reachable by requests.
+                yield from self._rpc("lorasync_release_adapter", token, adapter=name, check=False)
+            return
+        if _route_missing(response):
+            raise self._disabled(response, UNLOAD_ROUTE, name)
+        message = _message(response)
+        if response.status_code == 404 or "cannot be found" in message:
+            raise AdapterNotFoundError(
+                f"{self.kind} at {self.url} does not serve adapter {name!r}; list_adapters() shows what it serves",
+                **self.error_context(UNLOAD_ROUTE, name, response),
+            )
+        raise self._generic(response, UNLOAD_ROUTE, name, message, f"unload of adapter {name!r}")
+
+    def _list(self) -> Operation[list[str]]:
+        response = yield Call("GET", MODELS_ROUTE)
+        if response.status_code != 200:
+            raise self._generic(response, MODELS_ROUTE, None, _message(response), "listing models")
+        if _dig(body_json(response), "data") is None:
+            raise self._error(response, MODELS_ROUTE, None, EngineProtocolError, "listing models")
+        return list(_adapter_roots(response))
+
+    def _greedy(
+        self, name: str | None, prompt_ids: Sequence[int], max_tokens: int
+    ) -> Operation[tuple[list[int], list[float]]]:
+        model = name
+        if model is None:
+            response = yield Call("GET", MODELS_ROUTE)
+            cards = _dig(body_json(response), "data") if response.status_code == 200 else None
+            bases = [c.get("id") for c in cards or [] if isinstance(c, dict) and not c.get("parent")]
+            if not bases or not isinstance(bases[0], str):
+                raise self._error(response, MODELS_ROUTE, None, EngineProtocolError, "listing the base model")
+            model = bases[0]
+        completion = yield from self._generate(prompt_ids, model, max_tokens, 1, True)
+        return list(completion.token_ids), list(completion.logprobs or ())
+
+    def _generate(
+        self, prompt: Sequence[int], model: str, max_tokens: int, logprobs: int | None, ignore_eos: bool
+    ) -> Operation[Completion]:
+        body: dict[str, Any] = {
+            "model": model,
+            "prompt": [int(t) for t in prompt],
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": ignore_eos,
+            "return_token_ids": True,
+        }
+        if logprobs is not None:
+            body["logprobs"] = logprobs
+            body["return_tokens_as_token_ids"] = True  # logprob keys become "token_id:<id>"
+        response = yield Call("POST", COMPLETIONS_ROUTE, json=body)
+        if response.status_code != 200:
+            message = _message(response)
+            if response.status_code == 404 and "does not exist" in message:
+                raise AdapterNotFoundError(
+                    f"{self.kind} at {self.url} serves no model or adapter named {model!r}; "
+                    "load it first or check list_adapters()",
+                    **self.error_context(COMPLETIONS_ROUTE, model, response),
+                )
+            raise self._generic(response, COMPLETIONS_ROUTE, model, message, f"completion with model {model!r}")
+        choice = _dig(body_json(response), "choices", 0)
+        if not isinstance(choice, dict):
+            raise self._error(response, COMPLETIONS_ROUTE, model, EngineProtocolError, "completion")
+        completion = _completion(choice, model, logprobs is not None)
+        if completion is None:
+            raise self._error(response, COMPLETIONS_ROUTE, model, EngineProtocolError, "completion token ids")
+        return completion
+
+    # -- error mapping ---------------------------------------------------------------------------
+
+    def _load_error(self, response: httpx.Response, name: str, path: str, message: str) -> EngineError:
+        context = self.error_context(LOAD_ROUTE, name, response)
+        status = response.status_code
+        where = f"{self.kind} at {self.url}"
+        detail = _worker_message(message)
+        if _route_missing(response):
+            return self._disabled(response, LOAD_ROUTE, name)
+        if "has already been loaded" in message:
+            return AdapterAlreadyLoadedError(
+                f"{where} already serves an adapter named {name!r}; publish under a new versioned name, "
+                "unload it first, or pass load_inplace=True (unsafe on vLLM 0.32, see docs/engines/vllm.md)",
+                **context,
+            )
+        if "conflicts with a served base model" in message:
+            return IncompatibleAdapterError(
+                f"{where} serves its base model under the name {name!r}; choose another adapter name",
+                **context,
+            )
+        if "No adapter found" in message or "doesn't contain tensors" in message:
+            return AdapterNotFoundError(
+                f"{where} found no adapter at {path} ({detail}); the directory must exist on the engine's "
+                "host and hold adapter_config.json and adapter_model.safetensors",
+                path=path,
+                **context,
+            )
+        rank = _RANK.search(message)
+        if rank is not None or "is greater than max_lora_rank" in message:
+            r, max_r = (int(rank.group(1)), int(rank.group(2))) if rank else (None, None)
+            return RankTooLargeError(
+                f"{where} refused adapter {name!r}: {detail}; restart vLLM with a larger --max-lora-rank "
+                f"or train/trim the adapter to r <= {max_r if max_r is not None else 'the max rank'}",
+                rank=r,
+                max_rank=max_r,
+                **context,
+            )
+        if "LoRA is not enabled" in message:
+            return LoraNotEnabledError(
+                f"{where} runs without LoRA; restart it with --enable-lora (and --max-lora-rank >= the "
+                "adapter's rank), or publish with transport='merged'",
+                **context,
+            )
+        for needle, fix in _INCOMPATIBLE:
+            if needle in message:
+                return IncompatibleAdapterError(
+                    f"{where} refused adapter {name!r} from {path}: {detail}; {fix}", reason=detail, **context
+                )
+        if status >= 500 and "Call to add_lora method failed" in message and not _engine_dead(message):
+            return AdapterRejectedError(
+                f"{where} failed to load adapter {name!r} from {path}: {detail}; check the adapter and the "
+                "server log",
+                reason=detail,
+                **context,
+            )
+        return self._generic(response, LOAD_ROUTE, name, message, f"load of adapter {name!r} from {path}")
+
+    def _disabled(self, response: httpx.Response, route: str, name: str | None) -> RuntimeLoraDisabledError:
+        return RuntimeLoraDisabledError(
+            f"{self.kind} at {self.url} has no runtime LoRA routes (HTTP 404 on {route}); restart the server "
+            f"with {RUNTIME_ENV}=1 in its environment and --api-server-count 1",
+            **self.error_context(route, name, response),
+        )
+
+    def _generic(self, response: httpx.Response, route: str, name: str | None, message: str, what: str) -> EngineError:
+        context = self.error_context(route, name, response)
+        text = f"{self.kind} at {self.url}{route}: {what} failed with HTTP {response.status_code}: {message}"
+        if response.status_code >= 500 and _engine_dead(message):
+            return EngineUnavailableError(f"{text}; the engine process died, restart the server", **context)
+        return EngineError(f"{text}; check the request and the server log", **context)
+
+    def _error(
+        self, response: httpx.Response, route: str, name: str | None, cls: type[EngineError], what: str
+    ) -> EngineError:
+        return cls(
+            f"{self.kind} at {self.url}{route}: unexpected answer to {what} (HTTP {response.status_code}): "
+            f"{body_text(response)[:300]!r}; is this a vLLM OpenAI server?",
+            **self.error_context(route, name, response),
+        )
+
+
+
+# -- helpers: reading vLLM's bodies --------------------------------------------------------------
+
+
+def _dig(value: Any, *keys: str | int) -> Any:
+    """``value[k0][k1]...`` or None when any step is missing or of the wrong type."""
+    for key in keys:
+        if isinstance(key, int):
+            if not isinstance(value, list) or not -len(value) <= key < len(value):
+                return None
+        elif not isinstance(value, dict):
+            return None
+        value = value[key] if isinstance(key, int) else value.get(key)
+    return value
+
+
+def _message(response: httpx.Response) -> str:
+    """The error text of any vLLM envelope: nested (>= 0.10.1), flat (older), FastAPI's detail,
+    the auth middleware's bare string, or the raw body."""
+    data = body_json(response)
+    for candidate in (_dig(data, "error", "message"), _dig(data, "message"), _dig(data, "detail"), _dig(data, "error")):
+        if isinstance(candidate, str) and candidate:
+            return candidate
+    return body_text(response).strip()[:500]
+
+
+def _worker_message(message: str) -> str:
+    """The worker's own message inside vLLM's "Call to ... failed: Worker failed with error '...'" wrappers."""
+    match = _WORKER.search(message)
+    inner = match.group(1) if match else message.split("method failed: ", 1)[-1]
+    return inner.rstrip(".")
+
+
+def _route_missing(response: httpx.Response) -> bool:
+    """FastAPI's own 404 (no vLLM envelope): the route is not registered."""
+    return response.status_code == 404 and _dig(body_json(response), "detail") == "Not Found"
+
+
+def _engine_dead(message: str) -> bool:
+    return any(s in message for s in ("EngineCore encountered an issue", "EngineDeadError", "Engine loop has died"))
+
+
+def _adapter_roots(response: httpx.Response) -> dict[str, str | None]:
+    """Adapter name → path from a ``/v1/models`` answer (adapters are the cards with a parent)."""
+    cards = _dig(body_json(response), "data") if response.status_code == 200 else None
+    if not isinstance(cards, list):
+        return {}
+    return {
+        card["id"]: card.get("root")
+        for card in cards
+        if isinstance(card, dict) and card.get("parent") and isinstance(card.get("id"), str)
+    }
+
+
+def _token_id(token: str) -> int | None:
+    return int(token[len("token_id:") :]) if token.startswith("token_id:") else None
+
+
+def _completion(choice: dict[str, Any], model: str, with_logprobs: bool) -> Completion | None:
+    lp = choice.get("logprobs") if isinstance(choice.get("logprobs"), dict) else None
+    ids = choice.get("token_ids")
+    if not isinstance(ids, list) and lp is not None:  # servers without return_token_ids
+        parsed = [_token_id(t) for t in lp.get("tokens") or []]
+        ids = parsed if all(i is not None for i in parsed) else None
+    if not isinstance(ids, list):
+        return None
+    logprobs = top = None
+    if with_logprobs and lp is not None:
+        logprobs = tuple(float(x) for x in lp.get("token_logprobs") or [])
+        top = tuple(
+            {tid: float(v) for k, v in (step or {}).items() if (tid := _token_id(k)) is not None}
+            for step in lp.get("top_logprobs") or []
+        )
+    return Completion(
+        model=model,
+        token_ids=tuple(int(i) for i in ids),
+        logprobs=logprobs,
+        top_logprobs=top,
+        text=str(choice.get("text") or ""),
+    )

