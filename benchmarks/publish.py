@@ -41,7 +41,7 @@ def run(opts: Options) -> Report:
     shape = ModelShape.load(opts.shapes[0] if opts.shapes else "qwen3-8b")
     rank = opts.ranks[0] if opts.ranks else 16
     scope = opts.scope or "all-linear"
-    repeats, warmup = opts.reps(15, 5), opts.warm(2, 1)
+    repeats, warmup = opts.reps(15, 7), opts.warm(2, 1)
     adapter = synth_adapter(shape, rank=rank, scope=scope, dtype=torch.bfloat16)
     nbytes = adapter.nbytes
     title = f"Publish latency vs floors: {shape.name} r{rank} {scope} bf16 ({fmt_bytes(nbytes)})"
