@@ -49,7 +49,6 @@ def run(opts: Options) -> Report:
 
 
 def _run(opts: Options, tmp: Path, python: Path, repeats: int, warmup: int, title: str) -> Report:
-    from lorasync import Publisher
     from lorasync.engines import connect
     from lorasync.testing import make_tiny_model
     from lorasync.testing.vllm_server import VLLMServer
@@ -72,11 +71,11 @@ def _run(opts: Options, tmp: Path, python: Path, repeats: int, warmup: int, titl
         startup = time.perf_counter() - t0
         engine = connect("vllm", server.url, timeout=120)
         engine.generate(prompt, model=SERVED_BASE, max_tokens=1)  # first request compiles
-        rows, data = [], {}
+        rows = []
         modes = ("disk", "ipc", "merged", "unload-then-load")
-        for mode in progress(modes, desc="vLLM modes", show=show):
-            samples = _measure_mode(mode, engine, adapters, refs, prompt, tmp / mode, base_dir, repeats, warmup, Publisher)
-            data[mode] = samples
+        data = _measure_modes(modes, engine, adapters, refs, prompt, tmp, base_dir, repeats, warmup, show)
+        for mode in modes:
+            samples = data[mode]
             total, pub, first = (statistics.median(samples[k]) for k in ("total", "publish", "first"))
             ok = sum(samples["served_new"])
             rows.append([mode, fmt_ms(pub), fmt_ms(first), f"**{fmt_ms(total)}**", f"{ok}/{len(samples['served_new'])}"])
@@ -87,7 +86,7 @@ def _run(opts: Options, tmp: Path, python: Path, repeats: int, warmup: int, titl
             [[m, *[fmt_ms(statistics.median([st.get(k, 0.0) for st in data[m]["stages"]])) for k in stage_names]] for m in ("disk", "ipc", "merged")],
         ))
         report.tables.insert(0, Table(
-            f"Publish call → first completion served by the new weights (vLLM 0.32 CPU, tiny Llama, r8 adapter {fmt_bytes(adapters[0].nbytes)}; median of {repeats} after {warmup} warm-up; ms)",
+            f"Publish call → first completion served by the new weights (vLLM 0.32 CPU, tiny Llama, r8 adapter {fmt_bytes(adapters[0].nbytes)}; median of {repeats} interleaved rounds after {warmup} warm-up; ms)",
             ["mode", "publish call", "first completion", "total", "first token = trainer's"],
             rows,
         ))
@@ -144,51 +143,68 @@ def _pick_prompt(trainers: list[dict[str, Any]]) -> tuple[list[int], list[int]]:
     return prompt, [_next_token(t["model"], prompt) for t in trainers]
 
 
-def _measure_mode(mode: str, engine: Any, adapters: list[Any], refs: list[int], prompt: list[int], root: Path, base_dir: Path, repeats: int, warmup: int, publisher_cls: Any) -> dict[str, list[Any]]:
-    from lorasync import Adapter
+class _Mode:
+    """One way to get new weights served; ``step(i)`` publishes version ``i`` and times it."""
 
-    samples: dict[str, list[Any]] = {"publish": [], "first": [], "total": [], "served_new": [], "token": [], "stages": []}
-    pub = None
-    if mode != "unload-then-load":
-        pub = publisher_cls([engine], name=f"bench-{mode}", transport=mode, root=root, keep=2, base=base_dir if mode == "merged" else None)
-    loaded = False
-    try:
-        for i in range(warmup + repeats):
-            which = i % 2
-            adapter = Adapter(adapters[which].tensors, adapters[which].config)  # hash not cached
-            start = time.perf_counter()
-            if pub is not None:
-                report = pub.publish(adapter, version=i + 1).raise_for_errors()
-                model = report.served_name if mode != "merged" else SERVED_BASE
-                stages = {**{k: v for k, v in report.timings.items() if k != "total"}, **report.results[0].timings}
-            else:
-                path = adapter.save(root / f"v{i + 1}")
-                if loaded:
-                    engine.unload_adapter("naive")
-                engine.load_adapter("naive", path)
-                loaded, model = True, "naive"
-                stages = {}
-            published = time.perf_counter()
-            completion = engine.generate(prompt, model=model, max_tokens=1, logprobs=None)
-            done = time.perf_counter()
-            if i >= warmup:
-                token = int(completion.token_ids[0])
-                samples["publish"].append(published - start)
-                samples["first"].append(done - published)
-                samples["total"].append(done - start)
-                samples["token"].append(token)
-                samples["served_new"].append(token == refs[which])
-                samples["stages"].append(stages)
-    finally:
-        if pub is not None:
-            if mode == "merged":
-                pub.restore_base()
-            for served in engine.list_adapters():
-                if served.startswith(f"bench-{mode}@"):
-                    engine.unload_adapter(served)
-        elif loaded:
-            engine.unload_adapter("naive")
-    return samples
+    def __init__(self, mode: str, engine: Any, root: Path, base_dir: Path) -> None:
+        from lorasync import Publisher
+
+        self.mode, self.engine, self.root = mode, engine, root
+        self.samples: dict[str, list[Any]] = {"publish": [], "first": [], "total": [], "served_new": [], "token": [], "stages": []}
+        self.pub = None if mode == "unload-then-load" else Publisher([engine], name=f"bench-{mode}", transport=mode, root=root, keep=2, base=base_dir if mode == "merged" else None)
+        self.loaded = False
+
+    def step(self, i: int, adapters: list[Any], refs: list[int], prompt: list[int], record: bool) -> None:
+        from lorasync import Adapter
+
+        which = i % 2
+        adapter = Adapter(adapters[which].tensors, adapters[which].config)  # hash not cached
+        start = time.perf_counter()
+        if self.pub is not None:
+            report = self.pub.publish(adapter, version=i + 1).raise_for_errors()
+            model = report.served_name if self.mode != "merged" else SERVED_BASE
+            stages = {**{k: v for k, v in report.timings.items() if k != "total"}, **report.results[0].timings}
+        else:
+            path = adapter.save(self.root / f"v{i + 1}")
+            if self.loaded:
+                self.engine.unload_adapter("naive")
+            self.engine.load_adapter("naive", path)
+            self.loaded, model, stages = True, "naive", {}
+        published = time.perf_counter()
+        completion = self.engine.generate(prompt, model=model, max_tokens=1, logprobs=None)
+        done = time.perf_counter()
+        if record:
+            token = int(completion.token_ids[0])
+            for key, value in (("publish", published - start), ("first", done - published), ("total", done - start), ("token", token), ("served_new", token == refs[which]), ("stages", stages)):
+                self.samples[key].append(value)
+
+    def close(self) -> None:
+        if self.pub is not None:
+            if self.mode == "merged":
+                self.pub.restore_base()
+            for served in self.engine.list_adapters():
+                if served.startswith(f"bench-{self.mode}@"):
+                    self.engine.unload_adapter(served)
+        elif self.loaded:
+            self.engine.unload_adapter("naive")
+
+
+def _measure_modes(modes: tuple[str, ...], engine: Any, adapters: list[Any], refs: list[int], prompt: list[int], tmp: Path, base_dir: Path, repeats: int, warmup: int, show: bool) -> dict[str, dict[str, list[Any]]]:
+    """Round-robin over the adapter modes (each sees the same background load); ``warmup`` rounds untimed."""
+    out: dict[str, dict[str, list[Any]]] = {}
+    # A merged publish changes the base every adapter applies to: run it alone, after the adapter
+    # modes, then restore the pristine base.
+    for group in ([m for m in modes if m != "merged"], [m for m in modes if m == "merged"]):
+        runners = {mode: _Mode(mode, engine, tmp / mode, base_dir) for mode in group}
+        try:
+            for i in progress(range(warmup + repeats), desc=f"vLLM rounds ({', '.join(group)})", show=show):
+                for runner in runners.values():
+                    runner.step(i, adapters, refs, prompt, record=i >= warmup)
+        finally:
+            for runner in runners.values():
+                runner.close()
+        out.update({mode: runner.samples for mode, runner in runners.items()})
+    return {mode: out[mode] for mode in modes if mode in out}
 
 
 def _client_overhead(engine: Any, url: str, adapter: Any, root: Path, prompt: list[int], repeats: int, warmup: int, show: bool) -> dict[str, tuple[Any, Any]]:
