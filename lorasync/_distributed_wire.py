@@ -51,7 +51,7 @@ def encode_adapter(adapter: Adapter, *, probe: Probe | None = None, device: torc
     """
     metadata = {
         "format": "pt",
-        CONFIG_KEY: json.dumps(adapter.config.to_dict(), sort_keys=True),
+        CONFIG_KEY: json.dumps(adapter.config.to_dict()),  # not sorted: pattern order is meaning
         HASH_KEY: adapter.content_hash,
     }
     if probe is not None:

@@ -41,6 +41,21 @@ def test_adapter_round_trips_bit_for_bit_with_probe(dtype):
     assert sorted(load(buffer.numpy().tobytes())) == sorted(adapter.tensors)
 
 
+def test_pattern_order_survives_the_wire():
+    # PEFT matches rank/alpha patterns first-match in insertion order: "q_proj" must stay first.
+    from lorasync import Adapter, AdapterConfig
+
+    source = make_adapter(2)
+    tensors = {k: (t[:2] if "v_proj.lora_A" in k else t[:, :2] if "v_proj.lora_B" in k else t) for k, t in source.tensors.items()}
+    config = AdapterConfig(r=4, lora_alpha=8, rank_pattern={"v_proj": 2},
+                           alpha_pattern={"q_proj": 5.0, "model.layers.0.self_attn.q_proj": 7.0})
+    adapter = Adapter(tensors, config)
+    got, _ = decode_adapter(encode_adapter(adapter))
+    assert list(got.config.alpha_pattern) == ["q_proj", "model.layers.0.self_attn.q_proj"]
+    assert got.config.alpha_for("model.layers.0.self_attn.q_proj") == adapter.config.alpha_for("model.layers.0.self_attn.q_proj")
+    assert got.content_hash == adapter.content_hash
+
+
 def test_without_probe_decodes_none():
     assert decode_adapter(encode_adapter(make_adapter(1)))[1] is None
 
