@@ -10,7 +10,6 @@ Run: ``lorasync bench bytes [--shape NAME_OR_CONFIG] [--rank R ...]`` or ``pytho
 
 from __future__ import annotations
 
-import asyncio
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,7 @@ import torch
 
 from benchmarks._engines import CountingEngine
 from benchmarks._harness import Goal, Options, Report, Table, fmt_bytes, progress
-from benchmarks._shapes import SCOPES, ModelShape, available_shapes
+from benchmarks._shapes import SCOPES, ModelShape
 from benchmarks._synth import synth_adapter, synth_base_tensors
 from lorasync import BaseWeights, Publisher
 
@@ -151,7 +150,7 @@ def _tmpfs(opts: Options) -> str | None:
 def _plot(fig: Any, computed: list[dict[str, Any]], merged: list[dict[str, Any]], scopes: list[str], ranks: list[int]) -> None:
     axes = fig.subplots(1, len(scopes), sharey=True, squeeze=False)[0]
     colors = {}
-    for ax, scope in zip(axes, scopes):
+    for ax, scope in zip(axes, scopes, strict=True):
         for i, m in enumerate(merged):
             name = m["shape"]
             color = colors.setdefault(name, f"C{i}")

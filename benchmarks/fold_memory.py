@@ -82,8 +82,9 @@ def run(opts: Options) -> Report:
             report.goals.append(Goal(f"peak over baseline / bucket ({r['bucket_mb']} MiB)", r["buckets_of_peak"], 2.0, f"{r['peak_over_baseline_bytes'] / MB:.0f} MiB"))
     report.notes += [
         f"Largest fused unit (vLLM stores gate/up and q/k/v as one tensor; a unit never splits across buckets): {unit['name']} = {unit['bytes'] / MB:.0f} MiB in {shape.dtype}; "
-        f"folding its largest member also holds an fp32 accumulator of {unit['scratch'] / MB:.0f} MiB. Below about (unit + scratch) / 2 per bucket the 2-bucket goal cannot hold: one unit alone exceeds it.",
-        f"Scaling: the fold streams unit by unit, so the peak depends on bucket size and the largest unit, not on the layer count"
+        f"folding its largest member also holds an fp32 accumulator of {unit['scratch'] / MB:.0f} MiB. The peak is never below unit + accumulator "
+        f"({(unit['bytes'] + unit['scratch']) / MB:.0f} MiB), so smaller buckets than half of that cannot meet 2 buckets; the pending bucket and the unit's W0 come on top.",
+        "Scaling: the fold streams unit by unit, so the peak depends on bucket size and the largest unit, not on the layer count"
         + ("" if opts.quick else f" (compare {layers} vs {2 * layers} layers above)")
         + f"; the full {shape.layers}-layer model pushes {fmt_bytes(shape.merged_bytes(scope))} with the same peak, in ≈ {shape.layers / layers:.0f}× the time.",
         f"Synthetic base: {max_layers} layer(s) of touched modules as sharded safetensors on disk, built in {build_s:.1f} s; peak via VmHWM after clear_refs=5 {'(worked)' if all(r['hwm_reset'] for r in results) else '(NOT available: peaks include set-up)'}.",

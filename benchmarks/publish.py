@@ -57,7 +57,6 @@ def run(opts: Options) -> Report:
         tensors = [t.reshape(-1).view(torch.uint8).numpy() for t in adapter.tensors.values()]
         fresh: list[Adapter] = []
         pubs: list[Publisher] = []
-        held: list[Any] = []
 
         def new_adapter() -> None:
             fresh[:] = [Adapter(adapter.tensors, adapter.config)]  # same tensors, hash not cached
@@ -178,14 +177,14 @@ def run(opts: Options) -> Report:
             parts[key] = parts[key][warmup:]
         steady_hash = steady_hash[warmup:]
         steady_pub.close()
-        del peft_model
+        peft_model = None  # the meta-device model is no longer needed
 
     med = {k: v.median for k, v in times.items()}
     pmed = {k: statistics.median(v) for k, v in parts.items()}
     # Hash excluded, per run (publish total minus that run's hash), then the median.
-    nohash = Timing([p - h for p, h in zip(times["publish"].samples, parts["hash"])])
+    nohash = Timing([p - h for p, h in zip(times["publish"].samples, parts["hash"], strict=True)])
     publish_nohash = nohash.median
-    steady_nohash = Timing([p - h for p, h in zip(times["steady"].samples, steady_hash)]).median
+    steady_nohash = Timing([p - h for p, h in zip(times["steady"].samples, steady_hash, strict=True)]).median
     rows = [
         ["raw write of the same bytes (floor a)", fmt_ms(med["raw"]), "1.00", _ratio(med, "raw", "peft")],
         ["safetensors save_file (what PEFT and lorasync call)", fmt_ms(med["safetensors"]), f"{med['safetensors'] / med['raw']:.2f}", _ratio(med, "safetensors", "peft")],
