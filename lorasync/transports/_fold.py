@@ -12,15 +12,28 @@ from lorasync.transports._base_weights import BaseWeights
 __all__ = ["fold_buckets", "fold_module"]
 
 
-def fold_module(adapter: Adapter, module: str, base: BaseWeights, *, device: str | torch.device | None = None) -> torch.Tensor:
-    """``W0 + scale·B·A`` for ``module`` in W0's dtype, computed in float32 (on ``device``)."""
+def fold_module(
+    adapter: Adapter, module: str, base: BaseWeights, *, device: str | torch.device | None = None, block_bytes: int = 32 << 20
+) -> torch.Tensor:
+    """``W0 + scale·B·A`` for ``module`` in W0's dtype, accumulated in float32 (on ``device``).
+
+    Folded in row blocks of at most ``block_bytes`` of float32, so the extra memory beyond the
+    result is one block, not a float32 copy of the whole weight.
+    """
     w0 = base.get(f"{module}.weight")
     a, b = adapter.pair(module)
     dev = device if device is not None else w0.device
-    acc = w0.to(device=dev, dtype=torch.float32, copy=True)
-    # addmm_ in place: one float32 buffer per module, no separate delta tensor.
-    acc.addmm_(b.to(device=dev, dtype=torch.float32), a.to(device=dev, dtype=torch.float32), alpha=adapter.config.scale_for(module))
-    return acc.to(w0.dtype)
+    a32 = a.to(device=dev, dtype=torch.float32)
+    b32 = b.to(device=dev, dtype=torch.float32)
+    scale = adapter.config.scale_for(module)
+    out = torch.empty(w0.shape, dtype=w0.dtype, device=dev)
+    rows = max(1, block_bytes // (4 * max(1, w0.shape[1])))
+    for start in range(0, w0.shape[0], rows):
+        stop = min(start + rows, w0.shape[0])
+        acc = w0[start:stop].to(device=dev, dtype=torch.float32)
+        acc.addmm_(b32[start:stop], a32, alpha=scale)  # in place: no separate delta tensor
+        out[start:stop] = acc
+    return out
 
 
 def _units(modules: Iterable[str], fused: Sequence[Sequence[str]]) -> list[list[str]]:
@@ -57,6 +70,12 @@ def fold_buckets(
     bucket: dict[str, torch.Tensor] = {}
     size = 0
     for unit in _units(touched | set(restore), fused):
+        # Flush before folding when the unit would overflow the bucket: peak stays ~1 bucket
+        # plus one unit, never two full buckets plus a unit.
+        unit_bytes = sum(base.nbytes(f"{m}.weight") for m in unit)
+        if bucket and size + unit_bytes > bucket_bytes:
+            yield bucket
+            bucket, size = {}, 0
         weights = {}
         for module in unit:
             name = f"{module}.weight"
@@ -64,11 +83,7 @@ def fold_buckets(
                 weights[name] = fold_module(adapter, module, base, device=device)
             else:
                 weights[name] = base.get(name)
-        nbytes = sum(w.numel() * w.element_size() for w in weights.values())
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = {}, 0
         bucket.update(weights)
-        size += nbytes
+        size += unit_bytes
     if bucket:
         yield bucket
