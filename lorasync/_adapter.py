@@ -127,7 +127,7 @@ class Adapter:
         if self._hash is None:
             h = hashlib.sha256()
             h.update(json.dumps(self._config.to_dict(), sort_keys=True).encode())
-            for key, tensor in self._tensors.items():
+            for key, tensor in _on_host(self._tensors).items():
                 cpu = tensor.detach().to("cpu").contiguous()
                 h.update(f"\0{key}\0{cpu.dtype}\0{tuple(cpu.shape)}\0".encode())
                 h.update(cpu.reshape(-1).view(torch.uint8).numpy().tobytes())
@@ -172,8 +172,14 @@ class Adapter:
         path = Path(directory)
         try:
             path.mkdir(parents=True, exist_ok=True)
-            tensors = {k: t.detach().to("cpu").contiguous() for k, t in self._tensors.items()}
-            save_file(tensors, str(path / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+            if _any_cuda(self._tensors):
+                # One device-to-host transfer, the file already laid out in the host buffer.
+                from lorasync.transports._d2h import serialize
+
+                serialize(self._tensors, {"format": "pt"}).write_to(path / ADAPTER_WEIGHTS)
+            else:
+                tensors = {k: t.detach().to("cpu").contiguous() for k, t in self._tensors.items()}
+                save_file(tensors, str(path / ADAPTER_WEIGHTS), metadata={"format": "pt"})
             self._config.to_peft().save_pretrained(str(path))
         except OSError as exc:
             raise StorageError(f"cannot write adapter to {path}: {exc}; check the path and free space") from exc
@@ -215,6 +221,19 @@ class Adapter:
             tensors[peft_key(*parsed)] = tensor
         config = AdapterConfig.from_peft(LoraConfig.from_pretrained(str(path)))
         return cls(tensors, config, check_finite=check_finite)
+
+
+def _any_cuda(tensors: Mapping[str, torch.Tensor]) -> bool:
+    return any(t.is_cuda for t in tensors.values())
+
+
+def _on_host(tensors: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+    """``tensors`` in host memory: GPU tensors in one transfer (not one GPU wait per tensor)."""
+    if not _any_cuda(tensors):
+        return tensors
+    from lorasync.transports._d2h import serialize
+
+    return serialize(tensors).tensors
 
 
 def _validate(modules: Mapping[str, Mapping[str, torch.Tensor]], config: AdapterConfig, *, check_finite: bool) -> None:

@@ -32,7 +32,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from lorasync._retry import RetryPolicy
-from lorasync.transports._shm import write_segment
+from lorasync.transports._d2h import to_shm_segment
 from lorasync.engines._base import Capabilities
 from lorasync.engines._http import Call, HTTPEngine, Operation, body_json, body_text
 from lorasync.errors import (
@@ -411,21 +411,43 @@ class VLLMEngine(HTTPEngine):
             raise ConfigError("adapter name must be a non-empty string")
         token = uuid.uuid4().hex
         config = json.dumps(adapter.config.to_peft().to_dict(), default=sorted)
-        segment = write_segment({k: t.detach().to("cpu") for k, t in adapter.tensors.items()}, {CONFIG_KEY: config})
-        try:
-            spec = json.dumps({"token": token, "shm": segment.name, "nbytes": segment.nbytes})
-            yield from self._rpc("lorasync_stage_adapter", spec, adapter=name)
-        finally:
-            # Every worker copied the tensors out (or failed): the segment is no longer needed.
-            segment.release()
+        staged = False
+        if self.same_host and _one_cuda_device(adapter):
+            staged = yield from self._stage_cuda(name, token, adapter, config)
+        if not staged:
+            # CPU tensors are copied in directly; GPU tensors come over in one transfer per device.
+            segment = to_shm_segment(adapter.tensors, {CONFIG_KEY: config})
+            try:
+                spec = json.dumps({"token": token, "shm": segment.name, "nbytes": segment.nbytes})
+                yield from self._rpc("lorasync_stage_adapter", spec, adapter=name)
+            finally:
+                # Every worker copied the tensors out (or failed): the segment is no longer needed.
+                segment.release()
         try:
             yield from self._load(name, IPC_PREFIX + token, False)
         except BaseException:
             yield from self._rpc("lorasync_release_adapter", token, adapter=name, check=False)
             raise
 
+    def _stage_cuda(self, name: str, token: str, adapter: Adapter, config: str) -> Operation[bool]:
+        """Hand the adapter's GPU tensors to every worker through CUDA IPC; False when some
+        worker cannot map them (no CUDA, another GPU set), after undoing any partial staging."""
+        from lorasync.transports._cuda_ipc import export_tensors
+
+        export = export_tensors(adapter.tensors, {CONFIG_KEY: config})
+        try:
+            spec = json.dumps({"token": token, **export.spec})
+            results = yield from self._rpc("lorasync_stage_adapter_cuda", spec, adapter=name)
+        finally:
+            # Every worker has its own copy (or failed): the trainer's buffer can go.
+            export.release()
+        if results and all(isinstance(r, dict) and r.get("staged") is True for r in results):
+            return True
+        yield from self._rpc("lorasync_release_adapter", token, adapter=name, check=False)
+        return False
+
     def _update_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> Operation[None]:
-        segment = write_segment({k: t.detach().to("cpu") for k, t in named_tensors.items()})
+        segment = to_shm_segment(named_tensors)
         try:
             spec = json.dumps({"shm": segment.name, "nbytes": segment.nbytes})
             yield from self._rpc("lorasync_update_weights", spec, adapter=None)
@@ -617,6 +639,12 @@ class VLLMEngine(HTTPEngine):
 
 
 # -- helpers: reading vLLM's bodies --------------------------------------------------------------
+
+
+def _one_cuda_device(adapter: Adapter) -> bool:
+    """All of the adapter's tensors on one CUDA device (what one CUDA IPC share can carry)."""
+    devices = {t.device for t in adapter.tensors.values()}
+    return len(devices) == 1 and next(iter(devices)).type == "cuda"
 
 
 def _dig(value: Any, *keys: str | int) -> Any:
