@@ -77,6 +77,31 @@ def med(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
+def p90(xs: list[float]) -> float:
+    return sorted(xs)[int(0.9 * (len(xs) - 1))]
+
+
+def profile_to(path: Path | None, fn: Callable[[], object], n: int = 10) -> None:
+    """cProfile ``n`` calls of ``fn`` into a text file (where the host time goes)."""
+    if path is None:
+        return
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n):
+        fn()
+    prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+    path.write_text(text.getvalue())
+
+
+PROFILE_DIR: Path | None = None
+
+
 def make_adapter(layers: int = LAYERS, dtype: torch.dtype = torch.bfloat16, seed: int = 0):
     from lorasync import Adapter, AdapterConfig
 
@@ -151,6 +176,7 @@ def export(results: dict, quick: bool) -> None:
         serialize(tensors).to_shm().release()
 
     results["serialize_to_shm_ms"] = med(wall(to_shm, repeat=repeat)) * 1e3
+    profile_to(PROFILE_DIR and PROFILE_DIR / "profile_serialize.txt", lambda: to_host(adapter))
     flat = results["d2h_pinned_87MB_ms_wall"]
     results["serialize_vs_flat_copy"] = flat / results["serialize_ms"]
     results["to_host_vs_flat_copy"] = flat / results["to_host_ms"]
@@ -167,6 +193,12 @@ def consumer_main() -> None:
 
     worker = types.SimpleNamespace(model_runner=types.SimpleNamespace(lora_manager=_Manager()))
     torch.cuda.init()
+    prof = None
+    if os.environ.get("BENCH_PROFILE"):
+        import cProfile
+
+        prof = cProfile.Profile()
+        prof.enable()
     for line in sys.stdin:
         msg = json.loads(line)
         t0 = time.perf_counter()
@@ -181,6 +213,12 @@ def consumer_main() -> None:
         if msg["mode"] != "import":
             LoraSyncWorkerExtension.lorasync_release_adapter(worker, json.loads(msg["spec"])["token"])  # type: ignore[arg-type]
         print(json.dumps({"consumer_s": t1 - t0, "tensors": n}), flush=True)
+    if prof is not None:
+        import pstats
+
+        prof.disable()
+        with open(os.environ["BENCH_PROFILE"], "w") as f:
+            pstats.Stats(prof, stream=f).sort_stats("tottime").print_stats(25)
 
 
 def handoff(results: dict, quick: bool) -> None:
@@ -190,6 +228,8 @@ def handoff(results: dict, quick: bool) -> None:
     adapter = make_adapter(seed=2)
     config = json.dumps(adapter.config.to_peft().to_dict(), default=sorted)
     env = dict(os.environ)
+    if PROFILE_DIR is not None:
+        env["BENCH_PROFILE"] = str(PROFILE_DIR / "profile_consumer.txt")
     proc = subprocess.Popen([sys.executable, __file__, "--consumer"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     assert proc.stdin is not None and proc.stdout is not None
     try:
@@ -214,7 +254,9 @@ def handoff(results: dict, quick: bool) -> None:
             results[f"ipc_{mode}_export_ms"] = med([r[1] for r in rows]) * 1e3
             results[f"ipc_{mode}_consumer_ms"] = med([r[2] for r in rows]) * 1e3
             results[f"ipc_{mode}_release_ms"] = med([r[3] for r in rows]) * 1e3
+            results[f"ipc_{mode}_total_p90_ms"] = p90([r[0] for r in rows]) * 1e3
             results[f"ipc_{mode}_total_max_ms"] = max(r[0] for r in rows) * 1e3
+        profile_to(PROFILE_DIR and PROFILE_DIR / "profile_export.txt", lambda: export_tensors(adapter.tensors, {CONFIG_KEY: config}).release())
     finally:
         proc.stdin.close()
         proc.wait(timeout=60)
@@ -244,13 +286,22 @@ def fold(results: dict, quick: bool) -> None:
     results["fold_gpu_w0_bf16_ms"] = t * 1e3
     results["fold_gpu_w0_bf16_GBps"] = 2 * w_bytes / t / 1e9  # W0 read once, W written once
     results["fold_gpu_w0_bf16_vs_hbm"] = results["fold_gpu_w0_bf16_GBps"] / results["hbm_copy_GBps"]
-    # Pure kernel time of the same addmm calls (no Python), for the overhead share.
+    # Traffic of lorasync's two kernels: fp32 delta written (4 B/elem), then W0 (2) + delta (4)
+    # read and W (2) written: 12 B per element against the floor of 4.
+    results["fold_gpu_w0_bf16_traffic_GBps"] = 6 * w_bytes / t / 1e9
     pairs = [(base[f"{m}.weight"], *bf16.pair(m), bf16.config.scale_for(m)) for m in bf16.modules]
-    t_k = med(events(lambda: [torch.addmm(w, b, a, alpha=s) for w, a, b, s in pairs], warmup=1, repeat=5))
-    results["fold_gpu_w0_bf16_kernels_ms"] = t_k * 1e3
+
+    def kernels() -> None:
+        for w, a, b, s in pairs:
+            torch.add(w, torch.mm(b.float(), a.float()), alpha=s, out=torch.empty_like(w))
+
+    results["fold_gpu_w0_bf16_kernels_ms"] = med(events(kernels, warmup=1, repeat=5)) * 1e3
+    # cuBLAS's fused 16-bit addmm (the floor's 4 B/elem), not used: it rounds s*B*A before adding.
+    fused = med(events(lambda: [torch.addmm(w, b, a, alpha=s) for w, a, b, s in pairs], warmup=1, repeat=5))
+    results["fold_gpu_fused_addmm_ms"] = fused * 1e3
+    results["fold_gpu_fused_addmm_GBps"] = 2 * w_bytes / fused / 1e9
     t = med(wall(lambda: run(f32, base), warmup=1, repeat=3))
     results["fold_gpu_w0_f32factors_ms"] = t * 1e3
-    results["fold_gpu_w0_f32factors_GBps"] = 2 * w_bytes / t / 1e9
     del base, pairs, f32
     torch.cuda.empty_cache()
 
@@ -286,10 +337,12 @@ def table(r: dict) -> str:
         ("  to_host -> Adapter", f"{r['to_host_ms']:.2f} ms = {100 * r['to_host_vs_flat_copy']:.0f}% of flat copy"),
         ("  serialize + shared memory", f"{r['serialize_to_shm_ms']:.2f} ms"),
         ("  first call (pinned allocation)", f"{r['serialize_first_call_ms']:.1f} ms"),
-        ("CUDA IPC, GPU copy in 2nd process", f"{r['ipc_import_total_ms']:.2f} ms (export {r['ipc_import_export_ms']:.2f}, consumer {r['ipc_import_consumer_ms']:.2f}, max {r['ipc_import_total_max_ms']:.2f})"),
-        ("CUDA IPC, vLLM worker staging", f"{r['ipc_worker_total_ms']:.2f} ms (consumer {r['ipc_worker_consumer_ms']:.2f})"),
-        (f"fold, W0 on GPU ({r['fold_weight_GB']:.1f} GB, bf16 addmm)", f"{r['fold_gpu_w0_bf16_ms']:.1f} ms, {r['fold_gpu_w0_bf16_GBps']:.0f} GB/s = {100 * r['fold_gpu_w0_bf16_vs_hbm']:.0f}% of copy bw (kernels {r['fold_gpu_w0_bf16_kernels_ms']:.1f} ms)"),
-        ("fold, W0 on GPU, fp32 factors", f"{r['fold_gpu_w0_f32factors_ms']:.1f} ms, {r['fold_gpu_w0_f32factors_GBps']:.0f} GB/s"),
+        ("CUDA IPC, GPU copy in 2nd process", f"{r['ipc_import_total_ms']:.2f} ms (export {r['ipc_import_export_ms']:.2f}, consumer {r['ipc_import_consumer_ms']:.2f}, p90 {r['ipc_import_total_p90_ms']:.2f}, max {r['ipc_import_total_max_ms']:.2f})"),
+        ("CUDA IPC, vLLM worker staging", f"{r['ipc_worker_total_ms']:.2f} ms (consumer {r['ipc_worker_consumer_ms']:.2f}, p90 {r['ipc_worker_total_p90_ms']:.2f})"),
+        (f"fold, W0 on GPU ({r['fold_weight_GB']:.1f} GB bf16)", f"{r['fold_gpu_w0_bf16_ms']:.1f} ms = {r['fold_gpu_w0_bf16_GBps']:.0f} GB/s of W0+W ({100 * r['fold_gpu_w0_bf16_vs_hbm']:.0f}% of copy bw), {r['fold_gpu_w0_bf16_traffic_GBps']:.0f} GB/s traffic"),
+        ("  same kernels, no Python", f"{r['fold_gpu_w0_bf16_kernels_ms']:.1f} ms"),
+        ("  cuBLAS fused addmm (not used)", f"{r['fold_gpu_fused_addmm_ms']:.1f} ms = {r['fold_gpu_fused_addmm_GBps']:.0f} GB/s"),
+        ("  fp32 factors", f"{r['fold_gpu_w0_f32factors_ms']:.1f} ms"),
         ("fold, W0 pinned host -> GPU", f"{r['fold_host_pinned_w0_GBps']:.1f} GB/s of W0"),
         ("fold, W0 pageable host -> GPU", f"{r['fold_host_pageable_w0_GBps']:.1f} GB/s of W0"),
         ("fold + buckets to host, W0 pinned", f"{r['fold_host_pinned_roundtrip_GBps']:.1f} GB/s (W0 in + W out)"),
@@ -324,6 +377,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     parser.add_argument("--quick", action="store_true", help="fewer repeats, 8 fold layers")
+    parser.add_argument("--profile", action="store_true", help="write cProfile summaries of the host work")
     parser.add_argument("--consumer", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.consumer:
@@ -333,6 +387,8 @@ def main() -> None:
         sys.exit("gpu_bench needs a CUDA device")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    global PROFILE_DIR
+    PROFILE_DIR = out if args.profile else None
     results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     for section in (ceilings, export, handoff, fold):
         t0 = time.perf_counter()

@@ -153,6 +153,16 @@ class Adapter:
         tensors = {k: t.to(device=device, dtype=dtype) for k, t in self._tensors.items()}
         return Adapter(tensors, self._config)
 
+    def _with_tensors(self, tensors: Mapping[str, torch.Tensor]) -> Adapter:
+        """This adapter over ``tensors``: the same keys, shapes, dtype and bytes elsewhere (e.g.
+        copied to the host), so validation and the content hash carry over."""
+        new = object.__new__(Adapter)
+        new._modules = {m: {s: tensors[peft_key(m, s)] for s in ("A", "B")} for m in self._modules}
+        new._tensors = MappingProxyType({k: tensors[k] for k in self._tensors})
+        new._config = self._config
+        new._hash = self._hash
+        return new
+
     # -- PEFT on-disk format ----------------------------------------------------------------
 
     def save(self, directory: str | os.PathLike[str]) -> Path:

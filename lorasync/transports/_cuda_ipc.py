@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from lorasync.transports._d2h import layout, views
+from lorasync.transports._d2h import _flatten, _gather, _runs, layout, views
 
 __all__ = ["SPEC_VERSION", "CudaExport", "CudaIpcUnavailable", "export_tensors", "import_tensors", "parse_spec"]
 
@@ -116,11 +116,16 @@ def export_tensors(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, s
     device = next(iter(devices))
     header, entries = layout(tensors, metadata)
     nbytes = sum(e.nbytes for e in entries)
-    flat = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
-    parts = [e.tensor.detach().reshape(-1).view(torch.uint8) for e in entries if e.nbytes]
-    if parts:
-        # One gather kernel on the current stream; the event reduce_tensor records follows it.
-        torch.cat(parts, out=flat[:nbytes])
+    # One gather kernel per dtype on the current stream; the event reduce_tensor records follows.
+    runs = list(_runs([e for e in entries if e.nbytes], chunk_bytes=nbytes))
+    with torch.no_grad():
+        if len(runs) == 1 and len(runs[0]) > 1:
+            flat = _flatten(runs[0]).view(torch.uint8)  # the common case: one dtype
+        else:
+            flat = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
+            for run in runs:
+                first = run[0]
+                _gather(flat[first.begin : first.begin + sum(e.nbytes for e in run)].view(first.tensor.dtype), run)
     from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
     rebuild, args = reduce_tensor(flat)

@@ -26,7 +26,7 @@ import struct
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from multiprocessing import shared_memory
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -39,10 +39,10 @@ __all__ = ["DEFAULT_CHUNK_BYTES", "HostBuffer", "layout", "prefix", "serialize",
 
 #: Upper bound of one device-side staging buffer (extra GPU memory while exporting).
 DEFAULT_CHUNK_BYTES = 256 * 1024 * 1024
+_ITEMSIZE = {dtype: torch.empty((), dtype=dtype).element_size() for dtype in _DTYPES}
 
 
-@dataclass(frozen=True)
-class Entry:
+class Entry(NamedTuple):
     """One tensor's place in the data section (offsets relative to the data start)."""
 
     key: str
@@ -62,15 +62,18 @@ def layout(
     Raises:
         TypeError: a dtype safetensors cannot hold.
     """
-    header: dict[str, object] = {"__metadata__": dict(metadata or {})} if metadata else {}
-    order = sorted(tensors.items(), key=lambda kv: -kv[1].element_size())  # stable: keeps given order per size
+    header: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
+    order = list(tensors.items())
+    if len({t.dtype for _, t in order}) > 1:
+        order.sort(key=lambda kv: -kv[1].element_size())  # stable: keeps given order per size
     entries: list[Entry] = []
     offset = 0
     for key, tensor in order:
-        if tensor.dtype not in _DTYPES:
+        name = _DTYPES.get(tensor.dtype)
+        if name is None:
             raise TypeError(f"{key}: dtype {tensor.dtype} has no safetensors encoding")
-        nbytes = tensor.numel() * tensor.element_size()
-        header[key] = {"dtype": _DTYPES[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [offset, offset + nbytes]}
+        nbytes = tensor.numel() * _ITEMSIZE[tensor.dtype]
+        header[key] = {"dtype": name, "shape": list(tensor.shape), "data_offsets": [offset, offset + nbytes]}
         entries.append(Entry(key, tensor, offset, nbytes))
         offset += nbytes
     return header, entries
@@ -157,7 +160,6 @@ def serialize(
     total = start + sum(e.nbytes for e in entries)
     on_cuda = any(e.tensor.is_cuda for e in entries)
     data = torch.empty(total, dtype=torch.uint8, pin_memory=on_cuda)
-    data[:start].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
 
     by_device: dict[torch.device, list[Entry]] = {}
     host: list[Entry] = []
@@ -168,17 +170,16 @@ def serialize(
             by_device.setdefault(entry.tensor.device, []).append(entry)
         else:
             host.append(entry)
-    done = [_launch(data, start, device, group, chunk_bytes) for device, group in by_device.items()]
-    # Host tensors are copied while the GPU transfers are in flight.
-    for entry in host:
-        data[start + entry.begin : start + entry.begin + entry.nbytes].copy_(_as_bytes(entry.tensor.to("cpu")))
+    section = data[start:]
+    done = [_launch(section, device, group, chunk_bytes) for device, group in by_device.items()]
+    # Everything below runs on the host while the GPU transfers are in flight.
+    data[:start].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
+    with torch.no_grad():
+        for entry in host:
+            _slot(section, entry).copy_(entry.tensor)
+    out = _carve(section, [(e.key, e.tensor.dtype, tuple(e.tensor.shape), e.begin, e.nbytes) for e in entries])
     for event in done:
         event.synchronize()
-
-    out: dict[str, torch.Tensor] = {}
-    for entry in entries:
-        view = data[start + entry.begin : start + entry.begin + entry.nbytes]
-        out[entry.key] = view.view(entry.tensor.dtype).reshape(entry.tensor.shape)
     return HostBuffer(data=data, tensors={k: out[k] for k in tensors}, metadata=dict(metadata or {}))
 
 
@@ -188,11 +189,9 @@ def to_host(adapter: Adapter, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Adap
     Returns ``adapter`` itself when nothing is on a GPU. The new adapter's tensors are views of
     one page-locked buffer laid out as ``adapter_model.safetensors``.
     """
-    from lorasync._adapter import Adapter
-
     if not any(t.is_cuda for t in adapter.tensors.values()):
         return adapter
-    return Adapter(serialize(adapter.tensors, chunk_bytes=chunk_bytes).tensors, adapter.config)
+    return adapter._with_tensors(serialize(adapter.tensors, chunk_bytes=chunk_bytes).tensors)
 
 
 def to_shm_segment(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> ShmSegment:
@@ -216,7 +215,7 @@ def views(flat: torch.Tensor, header: Mapping[str, object]) -> dict[str, torch.T
         ValueError: an unknown dtype, bad shape or offsets outside ``flat``.
     """
     size = flat.numel()
-    out: dict[str, torch.Tensor] = {}
+    items: list[tuple[str, torch.dtype, tuple[int, ...], int, int]] = []
     for key, info in header.items():
         if key == "__metadata__":
             continue
@@ -231,35 +230,59 @@ def views(flat: torch.Tensor, header: Mapping[str, object]) -> dict[str, torch.T
         if not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(o, int) for o in offsets):
             raise ValueError(f"{key}: bad data_offsets {offsets!r}")
         begin, end = offsets
-        itemsize = torch.empty((), dtype=dtype).element_size()
         count = 1
         for d in shape:
             count *= d
-        if begin < 0 or end != begin + count * itemsize or end > size:
+        if begin < 0 or end != begin + count * _ITEMSIZE[dtype] or end > size:
             raise ValueError(f"{key}: data offsets {begin}..{end} do not fit shape {shape} in {size} bytes")
-        piece = flat[begin:end]
-        if begin % itemsize:
-            piece = piece.clone()
-        out[key] = piece.view(dtype).reshape(shape)
-    return out
+        items.append((key, dtype, tuple(shape), begin, end - begin))
+    items.sort(key=lambda item: item[3])
+    return _carve(flat, items)
 
 
 # -- internals -----------------------------------------------------------------------------------
 
 
-def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor's data as a flat ``uint8`` tensor (a copy only when it is not contiguous)."""
-    return tensor.detach().reshape(-1).view(torch.uint8)
+def _slot(section: torch.Tensor, entry: Entry) -> torch.Tensor:
+    """``entry``'s bytes in ``section``, viewed as its dtype and shape."""
+    raw = section[entry.begin : entry.begin + entry.nbytes]
+    return raw.view(entry.tensor.dtype).view(entry.tensor.shape)
+
+
+def _carve(section: torch.Tensor, items: list[tuple[str, torch.dtype, tuple[int, ...], int, int]]) -> dict[str, torch.Tensor]:
+    """Views of ``(key, dtype, shape, begin, nbytes)`` items (sorted by ``begin``) in ``section``.
+
+    Runs of adjacent same-dtype items are cut with one ``split`` (hundreds of small views cost
+    milliseconds one by one); a misaligned item is copied.
+    """
+    out: dict[str, torch.Tensor] = {}
+    i = 0
+    while i < len(items):
+        key, dtype, shape, begin, nbytes = items[i]
+        size = _ITEMSIZE[dtype]
+        if begin % size:
+            out[key] = section[begin : begin + nbytes].clone().view(dtype).view(shape)
+            i += 1
+            continue
+        j, end = i + 1, begin + nbytes
+        while j < len(items) and items[j][1] == dtype and items[j][3] == end:
+            end += items[j][4]
+            j += 1
+        parts = section[begin:end].view(dtype).split([items[k][4] // size for k in range(i, j)])
+        for k, part in zip(range(i, j), parts):
+            out[items[k][0]] = part.view(items[k][2])
+        i = j
+    return out
 
 
 def _runs(group: list[Entry], chunk_bytes: int) -> Iterator[list[Entry]]:
-    """Consecutive entries adjacent in the buffer, at most ``chunk_bytes`` together (a larger
-    single entry forms a run alone)."""
+    """Consecutive entries of one dtype, adjacent in the buffer, at most ``chunk_bytes`` together
+    (a larger single entry forms a run alone)."""
     run: list[Entry] = []
     size = 0
     for entry in group:
-        adjacent = bool(run) and run[-1].begin + run[-1].nbytes == entry.begin
-        if run and (not adjacent or size + entry.nbytes > chunk_bytes):
+        joins = bool(run) and run[-1].begin + run[-1].nbytes == entry.begin and run[-1].tensor.dtype == entry.tensor.dtype
+        if run and (not joins or size + entry.nbytes > chunk_bytes):
             yield run
             run, size = [], 0
         run.append(entry)
@@ -268,23 +291,41 @@ def _runs(group: list[Entry], chunk_bytes: int) -> Iterator[list[Entry]]:
         yield run
 
 
-def _launch(data: torch.Tensor, start: int, device: torch.device, group: list[Entry], chunk_bytes: int) -> torch.cuda.Event:
-    """Queue the copies of ``group`` (tensors on ``device``) into ``data``; an event marks the end."""
+def _gather(dst: torch.Tensor, run: list[Entry]) -> None:
+    """Copy ``run`` (one dtype, adjacent) into ``dst`` (its slots, flat, same dtype): one kernel
+    on the device or one copy."""
+    if len(run) == 1:
+        dst.view(run[0].tensor.shape).copy_(run[0].tensor, non_blocking=True)
+    else:
+        torch.cat([e.tensor.reshape(-1) for e in run], out=dst)
+
+
+def _flatten(run: list[Entry]) -> torch.Tensor:
+    """``run``'s tensors concatenated into a new flat tensor, flattened in C++ (not hundreds
+    of Python-level reshapes)."""
+    from torch._utils import _flatten_dense_tensors
+
+    return _flatten_dense_tensors([e.tensor for e in run])
+
+
+def _launch(section: torch.Tensor, device: torch.device, group: list[Entry], chunk_bytes: int) -> torch.cuda.Event:
+    """Queue the copies of ``group`` (tensors on ``device``) into the pinned ``section``; an event
+    marks their end."""
     side = torch.cuda.Stream(device=device)
     side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
+    with torch.cuda.stream(side), torch.no_grad():
         for run in _runs(group, chunk_bytes):
-            first = run[0].begin
+            first = run[0]
             nbytes = sum(e.nbytes for e in run)
+            dst = section[first.begin : first.begin + nbytes].view(first.tensor.dtype)
             if len(run) == 1:
-                staged = _as_bytes(run[0].tensor)
+                _gather(dst, run)
             else:
-                # One gather kernel instead of one transfer per tensor: small transfers are
+                # One gather kernel into a staging buffer, then one transfer: small transfers are
                 # dominated by their fixed cost, one large one runs at the link's bandwidth.
-                staged = torch.cat([_as_bytes(e.tensor) for e in run])
-            # Pinned destination: the copy is asynchronous and staging memory is freed
-            # stream-ordered on ``side``, so it is reused only after the copy has read it.
-            data[start + first : start + first + nbytes].copy_(staged, non_blocking=True)
+                # Pinned destination: the copy is asynchronous; the staging buffer is freed
+                # stream-ordered on ``side``, so it is reused only after the copy has read it.
+                dst.copy_(_flatten(run), non_blocking=True)
         event = torch.cuda.Event()
         event.record(side)
     return event

@@ -13,25 +13,22 @@ __all__ = ["fold_buckets", "fold_module"]
 
 
 def fold_module(adapter: Adapter, module: str, base: BaseWeights, *, device: str | torch.device | None = None) -> torch.Tensor:
-    """``W0 + scale·B·A`` for ``module`` in W0's dtype, accumulated in float32, on ``device``
-    (default: where W0 is); the result stays there.
+    """``W0 + scale·B·A`` for ``module`` in W0's dtype, computed in float32 and rounded once, on
+    ``device`` (default: where W0 is); the result stays there.
 
     W0 travels to ``device`` alone and in its own dtype (half the bytes of a float32 copy; the
-    cast runs on the device). On CUDA, with W0 and the factors in one 16-bit dtype, one cuBLAS
-    ``addmm`` does it all: products accumulate in float32 and ``W0 + s·acc`` is formed in float32
-    and rounded once, reading and writing W0 once. Otherwise an explicit float32 buffer is used.
+    arithmetic runs on the device). The rank-r product is formed in float32 and added to W0 by one
+    elementwise pass that reads W0 once and writes the result once; a float32 W0 copy is never
+    made. (cuBLAS's fused 16-bit ``addmm`` would save the float32 product but may round
+    ``s·B·A`` to 16 bits before adding it, which loses precision where W0 and the delta cancel.)
     """
     w0 = base.get(f"{module}.weight")
     a, b = adapter.pair(module)
     dev = torch.device(device) if device is not None else w0.device
     w0 = w0.to(device=dev, non_blocking=True)
-    scale = adapter.config.scale_for(module)
-    if dev.type == "cuda" and w0.dtype in (torch.bfloat16, torch.float16) and a.dtype == w0.dtype:
-        return torch.addmm(w0, b.to(dev, non_blocking=True), a.to(dev, non_blocking=True), alpha=scale)
-    acc = w0.to(torch.float32, copy=True)
-    # addmm_ in place: one float32 buffer per module, no separate delta tensor.
-    acc.addmm_(b.to(device=dev, dtype=torch.float32), a.to(device=dev, dtype=torch.float32), alpha=scale)
-    return acc.to(w0.dtype)
+    delta = torch.mm(b.to(device=dev, dtype=torch.float32), a.to(device=dev, dtype=torch.float32))
+    # Float32 arithmetic (type promotion), written straight into W0's dtype.
+    return torch.add(w0, delta, alpha=adapter.config.scale_for(module), out=torch.empty_like(w0))
 
 
 def _units(modules: Iterable[str], fused: Sequence[Sequence[str]]) -> list[list[str]]:

@@ -3,6 +3,7 @@ and the vLLM client choosing it (with the shared-memory fallback) end to end."""
 
 from __future__ import annotations
 
+import gc
 import json
 
 import httpx
@@ -16,6 +17,7 @@ from lorasync.transports._cuda_ipc import export_tensors
 def test_second_process_rebuilds_bit_exact_and_owns_its_copy(consumer) -> None:
     gpu = adapter_on_gpu(layers=4, seed=10)
     expected = digest(gpu.tensors)
+    gc.collect()
     torch.cuda.synchronize()
     baseline = torch.cuda.memory_allocated()
     export = export_tensors(gpu.tensors, {CONFIG_KEY: json.dumps({"r": 8})})
@@ -27,7 +29,7 @@ def test_second_process_rebuilds_bit_exact_and_owns_its_copy(consumer) -> None:
     export.release()
     # Released means freed, not parked in torch's IPC limbo waiting for a count that never drops.
     torch.cuda.synchronize()
-    assert torch.cuda.memory_allocated() == baseline
+    assert torch.cuda.memory_allocated() <= baseline
     # Reuse the freed memory and change the source: the consumer's copy must not move.
     junk = torch.full((export.nbytes,), 0xAB, dtype=torch.uint8, device="cuda")
     for t in gpu.tensors.values():
@@ -96,6 +98,7 @@ def _engine_routed_to(consumer, calls: list[str], memory: list[int], staged: lis
 
 def test_vllm_client_hands_gpu_adapters_over_cuda_ipc(consumer) -> None:
     gpu = adapter_on_gpu(layers=2, seed=13)
+    gc.collect()  # earlier tests' tensors must not be freed mid-test
     torch.cuda.synchronize()
     baseline = torch.cuda.memory_allocated()
     calls: list[str] = []
@@ -104,7 +107,7 @@ def test_vllm_client_hands_gpu_adapters_over_cuda_ipc(consumer) -> None:
     _engine_routed_to(consumer, calls, memory, staged).load_adapter_tensors("p@v1", gpu)
     assert calls == ["lorasync_stage_adapter_cuda"]
     assert staged[0]["hashes"] == digest(gpu.tensors)
-    assert memory == [baseline]  # the packed buffer was freed once the worker confirmed
+    assert memory[0] <= baseline  # the packed buffer (~1.6 MB) was freed once the worker confirmed
 
 
 def test_vllm_client_falls_back_to_shared_memory(cpu_consumer) -> None:
