@@ -170,6 +170,7 @@ def export(results: dict, quick: bool) -> None:
     results["per_tensor_cpu_ms"] = med(wall(lambda: {k: t.cpu() for k, t in tensors.items()}, repeat=10)) * 1e3
     results["serialize_per_tensor_async_ms"] = med(wall(lambda: serialize(tensors, chunk_bytes=0), repeat=repeat)) * 1e3
     results["serialize_ms"] = med(wall(lambda: serialize(tensors), repeat=repeat)) * 1e3
+    results["serialize_one_piece_ms"] = med(wall(lambda: serialize(tensors, chunk_bytes=1 << 30), repeat=repeat)) * 1e3
     results["to_host_ms"] = med(wall(lambda: to_host(adapter), repeat=repeat)) * 1e3
 
     def to_shm() -> None:
@@ -202,7 +203,10 @@ def consumer_main() -> None:
     for line in sys.stdin:
         msg = json.loads(line)
         t0 = time.perf_counter()
-        if msg["mode"] == "import":
+        steps: dict[str, float] = {}
+        if msg["mode"] == "steps":
+            n = len(import_steps(json.loads(msg["spec"]), steps))
+        elif msg["mode"] == "import":
             tensors, _ = import_tensors(json.loads(msg["spec"]))
             n = len(tensors)
             del tensors
@@ -210,15 +214,47 @@ def consumer_main() -> None:
             answer = LoraSyncWorkerExtension.lorasync_stage_adapter_cuda(worker, msg["spec"])  # type: ignore[arg-type]
             n = answer.get("tensors", 0)
         t1 = time.perf_counter()
-        if msg["mode"] != "import":
+        if msg["mode"] == "worker":
             LoraSyncWorkerExtension.lorasync_release_adapter(worker, json.loads(msg["spec"])["token"])  # type: ignore[arg-type]
-        print(json.dumps({"consumer_s": t1 - t0, "tensors": n}), flush=True)
+        print(json.dumps({"consumer_s": t1 - t0, "tensors": n, "steps": steps}), flush=True)
     if prof is not None:
         import pstats
 
         prof.disable()
         with open(os.environ["BENCH_PROFILE"], "w") as f:
             pstats.Stats(prof, stream=f).sort_stats("tottime").print_stats(25)
+
+
+def import_steps(spec: dict, steps: dict[str, float]) -> dict[str, torch.Tensor]:
+    """``import_tensors`` step by step (same calls), timing each step into ``steps``."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    from lorasync.transports._cuda_ipc import _local_index, parse_spec
+    from lorasync.transports._d2h import views
+
+    t = time.perf_counter()
+
+    def step(name: str) -> None:
+        nonlocal t
+        now = time.perf_counter()
+        steps[name] = now - t
+        t = now
+
+    f = parse_spec(spec)
+    local = _local_index(f["device_uuid"])
+    step("parse")
+    own = torch.empty(f["nbytes"], dtype=torch.uint8, device=local)
+    step("alloc")
+    shared = rebuild_cuda_tensor(torch.Tensor, torch.Size([f["nbytes"]]), (1,), 0, torch.UntypedStorage, torch.uint8, local, f["handle"], f["storage_size"], f["storage_offset"], False, b"", 0, f["event"], f["event_sync"])
+    step("rebuild")
+    own.copy_(shared)
+    torch.cuda.current_stream(local).synchronize()
+    step("copy")
+    del shared
+    step("unmap")
+    out = views(own, f["header"])
+    step("views")
+    return out
 
 
 def handoff(results: dict, quick: bool) -> None:
@@ -233,7 +269,7 @@ def handoff(results: dict, quick: bool) -> None:
     proc = subprocess.Popen([sys.executable, __file__, "--consumer"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     assert proc.stdin is not None and proc.stdout is not None
     try:
-        for mode in ("import", "worker"):
+        for mode in ("steps", "import", "worker"):
             rows = []
             for i in range(5 + (10 if quick else 30)):
                 torch.cuda.synchronize()
@@ -249,12 +285,14 @@ def handoff(results: dict, quick: bool) -> None:
                 t3 = time.perf_counter()
                 assert answer["tensors"] == len(adapter.tensors), answer
                 if i >= 5:
-                    rows.append((t3 - t0, t1 - t0, answer["consumer_s"], t3 - t2))
+                    rows.append((t3 - t0, t1 - t0, answer["consumer_s"], t3 - t2, answer["steps"]))
             results[f"ipc_{mode}_total_ms"] = med([r[0] for r in rows]) * 1e3
             results[f"ipc_{mode}_export_ms"] = med([r[1] for r in rows]) * 1e3
             results[f"ipc_{mode}_consumer_ms"] = med([r[2] for r in rows]) * 1e3
             results[f"ipc_{mode}_release_ms"] = med([r[3] for r in rows]) * 1e3
             results[f"ipc_{mode}_total_p90_ms"] = p90([r[0] for r in rows]) * 1e3
+            for name in rows[0][4]:
+                results[f"ipc_{mode}_step_{name}_ms"] = med([r[4][name] for r in rows]) * 1e3
             results[f"ipc_{mode}_total_max_ms"] = max(r[0] for r in rows) * 1e3
         profile_to(PROFILE_DIR and PROFILE_DIR / "profile_export.txt", lambda: export_tensors(adapter.tensors, {CONFIG_KEY: config}).release())
     finally:
@@ -333,11 +371,13 @@ def table(r: dict) -> str:
         (f"adapter: {r['adapter_tensors']} tensors, {r['adapter_bytes'] / 1e6:.1f} MB bf16", ""),
         ("  per-tensor .cpu()", f"{r['per_tensor_cpu_ms']:.2f} ms"),
         ("  serialize, per-tensor async copies", f"{r['serialize_per_tensor_async_ms']:.2f} ms"),
-        ("  serialize (gathered, one copy)", f"{r['serialize_ms']:.2f} ms = {100 * r['serialize_vs_flat_copy']:.0f}% of flat copy"),
+        ("  serialize (8 MiB pieces, pipelined)", f"{r['serialize_ms']:.2f} ms = {100 * r['serialize_vs_flat_copy']:.0f}% of flat copy"),
+        ("  serialize (one gathered piece)", f"{r['serialize_one_piece_ms']:.2f} ms"),
         ("  to_host -> Adapter", f"{r['to_host_ms']:.2f} ms = {100 * r['to_host_vs_flat_copy']:.0f}% of flat copy"),
         ("  serialize + shared memory", f"{r['serialize_to_shm_ms']:.2f} ms"),
         ("  first call (pinned allocation)", f"{r['serialize_first_call_ms']:.1f} ms"),
         ("CUDA IPC, GPU copy in 2nd process", f"{r['ipc_import_total_ms']:.2f} ms (export {r['ipc_import_export_ms']:.2f}, consumer {r['ipc_import_consumer_ms']:.2f}, p90 {r['ipc_import_total_p90_ms']:.2f}, max {r['ipc_import_total_max_ms']:.2f})"),
+        ("  consumer steps", " ".join(f"{k.split('_step_')[1][:-3]} {v:.2f}" for k, v in r.items() if "_step_" in k)),
         ("CUDA IPC, vLLM worker staging", f"{r['ipc_worker_total_ms']:.2f} ms (consumer {r['ipc_worker_consumer_ms']:.2f}, p90 {r['ipc_worker_total_p90_ms']:.2f})"),
         (f"fold, W0 on GPU ({r['fold_weight_GB']:.1f} GB bf16)", f"{r['fold_gpu_w0_bf16_ms']:.1f} ms = {r['fold_gpu_w0_bf16_GBps']:.0f} GB/s of W0+W ({100 * r['fold_gpu_w0_bf16_vs_hbm']:.0f}% of copy bw), {r['fold_gpu_w0_bf16_traffic_GBps']:.0f} GB/s traffic"),
         ("  same kernels, no Python", f"{r['fold_gpu_w0_bf16_kernels_ms']:.1f} ms"),

@@ -157,8 +157,10 @@ class Adapter:
         """This adapter over ``tensors``: the same keys, shapes, dtype and bytes elsewhere (e.g.
         copied to the host), so validation and the content hash carry over."""
         new = object.__new__(Adapter)
-        new._modules = {m: {s: tensors[peft_key(m, s)] for s in ("A", "B")} for m in self._modules}
-        new._tensors = MappingProxyType({k: tensors[k] for k in self._tensors})
+        # Keys alternate A, B in module order (see __init__): no key parsing needed.
+        keys = list(self._tensors)
+        new._modules = {m: {"A": tensors[keys[2 * i]], "B": tensors[keys[2 * i + 1]]} for i, m in enumerate(self._modules)}
+        new._tensors = MappingProxyType({k: tensors[k] for k in keys})
         new._config = self._config
         new._hash = self._hash
         return new

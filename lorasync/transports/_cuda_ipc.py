@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import base64
 import binascii
+import itertools
+import json
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from lorasync.transports._d2h import _flatten, _gather, _runs, layout, views
+from lorasync.transports._d2h import _ITEMSIZE, _flatten_tensors, _gather, _runs, header_json, layout, views
 
 __all__ = ["SPEC_VERSION", "CudaExport", "CudaIpcUnavailable", "export_tensors", "import_tensors", "parse_spec"]
 
@@ -114,18 +116,26 @@ def export_tensors(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, s
     if len(devices) != 1 or next(iter(devices)).type != "cuda":
         raise ValueError(f"CUDA IPC needs every tensor on one CUDA device; got {sorted(map(str, devices))}")
     device = next(iter(devices))
-    header, entries = layout(tensors, metadata)
-    nbytes = sum(e.nbytes for e in entries)
-    # One gather kernel per dtype on the current stream; the event reduce_tensor records follows.
-    runs = list(_runs([e for e in entries if e.nbytes], chunk_bytes=nbytes))
+    keys, values = list(tensors), list(tensors.values())
+    dtype = values[0].dtype
     with torch.no_grad():
-        if len(runs) == 1 and len(runs[0]) > 1:
-            flat = _flatten(runs[0]).view(torch.uint8)  # the common case: one dtype
+        if len(values) > 1 and dtype in _ITEMSIZE and all(t.dtype == dtype for t in values):
+            # The common case (an adapter): one gather kernel, launched before the header is
+            # written so the GPU works while Python does; data in the given order.
+            flat = _flatten_tensors(values).view(torch.uint8)
+            offsets = list(itertools.accumulate((t.numel() * _ITEMSIZE[dtype] for t in values), initial=0))
+            header = header_json(zip(keys, itertools.repeat(dtype), (t.shape for t in values), offsets, offsets[1:]), metadata)
+            nbytes = offsets[-1]
         else:
-            flat = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
-            for run in runs:
+            header, entries = layout(tensors, metadata)
+            nbytes = sum(e.nbytes for e in entries)
+            flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            for run in _runs([e for e in entries if e.nbytes], chunk_bytes=nbytes):
                 first = run[0]
                 _gather(flat[first.begin : first.begin + sum(e.nbytes for e in run)].view(first.tensor.dtype), run)
+        if flat.numel() == 0:
+            flat = torch.empty(1, dtype=torch.uint8, device=device)  # a storage to share
+    # The work above runs on the current stream; the event reduce_tensor records there follows it.
     from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
     rebuild, args = reduce_tensor(flat)
@@ -160,11 +170,17 @@ def parse_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
     """
     if not isinstance(spec, Mapping) or spec.get("version") != SPEC_VERSION:
         raise ValueError(f"CUDA IPC spec must be an object with version {SPEC_VERSION}")
-    nbytes, header, ipc = spec.get("nbytes"), spec.get("header"), spec.get("ipc")
+    nbytes, text, ipc = spec.get("nbytes"), spec.get("header"), spec.get("ipc")
     if not _is_int(nbytes) or nbytes < 0:
         raise ValueError(f"CUDA IPC spec: bad nbytes {nbytes!r}")
-    if not isinstance(header, dict) or not isinstance(ipc, dict):
-        raise ValueError("CUDA IPC spec needs 'header' and 'ipc' objects")
+    if not isinstance(text, str) or not isinstance(ipc, dict):
+        raise ValueError("CUDA IPC spec needs a 'header' (safetensors JSON text) and an 'ipc' object")
+    try:
+        header = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"CUDA IPC spec: header is not JSON: {exc}") from exc
+    if not isinstance(header, dict):
+        raise ValueError("CUDA IPC spec: header must be a JSON object")
     metadata = header.get("__metadata__") or {}
     if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
         raise ValueError("CUDA IPC spec: __metadata__ must map strings to strings")

@@ -20,13 +20,15 @@ also runs inside engine processes.
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import os
 import struct
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from multiprocessing import shared_memory
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -35,11 +37,23 @@ from lorasync.transports._shm import _DTYPES, _FROM_NAME, ShmSegment, write_segm
 if TYPE_CHECKING:
     from lorasync._adapter import Adapter
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "HostBuffer", "layout", "prefix", "serialize", "to_host", "to_shm_segment", "views"]
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "HostBuffer",
+    "header_json",
+    "layout",
+    "prefix",
+    "serialize",
+    "to_host",
+    "to_shm_segment",
+    "views",
+]
 
-#: Upper bound of one device-side staging buffer (extra GPU memory while exporting).
-DEFAULT_CHUNK_BYTES = 256 * 1024 * 1024
+#: Bytes gathered on the device per transfer: large enough for full link bandwidth, small enough
+#: that gathering the next piece overlaps the transfer of the last (and bounds extra GPU memory).
+DEFAULT_CHUNK_BYTES = 8 * 1024 * 1024
 _ITEMSIZE = {dtype: torch.empty((), dtype=dtype).element_size() for dtype in _DTYPES}
+_quote = json.encoder.encode_basestring_ascii  # type: ignore[attr-defined]  # the C encoder
 
 
 class Entry(NamedTuple):
@@ -51,10 +65,20 @@ class Entry(NamedTuple):
     nbytes: int
 
 
-def layout(
-    tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
-) -> tuple[dict[str, object], list[Entry]]:
-    """The safetensors header (a JSON-able dict) and the data entries in data order.
+def header_json(entries: Iterable[tuple[str, torch.dtype, Sequence[int], int, int]], metadata: Mapping[str, str] | None = None) -> str:
+    """The safetensors JSON header for ``(key, dtype, shape, begin, end)`` entries.
+
+    Written as text directly (hundreds of small dicts through ``json.dumps`` cost more).
+    """
+    parts = [f'"__metadata__":{json.dumps(dict(metadata), separators=(",", ":"))}'] if metadata else []
+    for key, dtype, shape, begin, end in entries:
+        dims = ",".join(map(str, shape))
+        parts.append(f'{_quote(key)}:{{"dtype":"{_DTYPES[dtype]}","shape":[{dims}],"data_offsets":[{begin},{end}]}}')
+    return "{" + ",".join(parts) + "}"
+
+
+def layout(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> tuple[str, list[Entry]]:
+    """The safetensors JSON header and the data entries in data order.
 
     Data is ordered by element size, largest first, so every tensor starts at an offset aligned
     to its element size and can be viewed in place.
@@ -62,27 +86,25 @@ def layout(
     Raises:
         TypeError: a dtype safetensors cannot hold.
     """
-    header: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
     order = list(tensors.items())
     if len({t.dtype for _, t in order}) > 1:
         order.sort(key=lambda kv: -kv[1].element_size())  # stable: keeps given order per size
     entries: list[Entry] = []
     offset = 0
     for key, tensor in order:
-        name = _DTYPES.get(tensor.dtype)
-        if name is None:
+        if tensor.dtype not in _DTYPES:
             raise TypeError(f"{key}: dtype {tensor.dtype} has no safetensors encoding")
         nbytes = tensor.numel() * _ITEMSIZE[tensor.dtype]
-        header[key] = {"dtype": name, "shape": list(tensor.shape), "data_offsets": [offset, offset + nbytes]}
         entries.append(Entry(key, tensor, offset, nbytes))
         offset += nbytes
-    return header, entries
+    text = header_json(((e.key, e.tensor.dtype, e.tensor.shape, e.begin, e.begin + e.nbytes) for e in entries), metadata)
+    return text, entries
 
 
-def prefix(header: Mapping[str, object]) -> bytes:
+def prefix(header: str) -> bytes:
     """The file's first bytes: header length (8 bytes, little-endian) and the JSON header,
     padded with spaces to 8-byte alignment as safetensors does."""
-    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw = header.encode()
     raw += b" " * (-len(raw) % 8)
     return struct.pack("<Q", len(raw)) + raw
 
@@ -144,9 +166,9 @@ def serialize(
         tensors (`Mapping[str, torch.Tensor]`): what to export; CUDA work queued on each tensor's
             device's current stream before the call is waited for, never anything queued later.
         metadata (`Mapping[str, str]`, *optional*): the header's ``__metadata__``.
-        chunk_bytes (`int`, defaults to 256 MiB): largest device-side staging buffer; tensors
-            are gathered per device into buffers of at most this size, each copied to the host
-            in one transfer. ``0`` copies each tensor on its own (no extra GPU memory).
+        chunk_bytes (`int`, defaults to 8 MiB): small tensors are gathered on their device into
+            pieces of up to this size, each copied to the host in one transfer while the next is
+            gathered. ``0`` copies each tensor on its own (no extra GPU memory).
 
     Returns:
         `HostBuffer`: the file bytes and views of each tensor, valid once this returns.
@@ -154,13 +176,17 @@ def serialize(
     Raises:
         TypeError: a dtype safetensors cannot hold.
     """
+    values = list(tensors.values())
+    if values and all(t.is_cuda for t in values) and len({(t.device, t.dtype) for t in values}) == 1:
+        if values[0].dtype not in _DTYPES:
+            raise TypeError(f"dtype {values[0].dtype} has no safetensors encoding")
+        return _serialize_one_kind(list(tensors), values, metadata, chunk_bytes)
+
     header, entries = layout(tensors, metadata)
     head = prefix(header)
     start = len(head)
     total = start + sum(e.nbytes for e in entries)
-    on_cuda = any(e.tensor.is_cuda for e in entries)
-    data = torch.empty(total, dtype=torch.uint8, pin_memory=on_cuda)
-
+    data = torch.empty(total, dtype=torch.uint8, pin_memory=any(t.is_cuda for t in values))
     by_device: dict[torch.device, list[Entry]] = {}
     host: list[Entry] = []
     for entry in entries:
@@ -205,39 +231,35 @@ def to_shm_segment(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, s
     return write_segment(tensors, metadata)
 
 
-def views(flat: torch.Tensor, header: Mapping[str, object]) -> dict[str, torch.Tensor]:
+def views(flat: torch.Tensor, header: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     """Tensors described by a safetensors ``header`` inside the ``uint8`` data section ``flat``.
 
-    Every entry is checked against ``flat``'s size before any view is made; entries not aligned
-    to their element size are copied instead of viewed.
+    Every entry's offsets are checked against its dtype, shape and ``flat``'s size before any
+    view is made; entries not aligned to their element size are copied instead of viewed.
 
     Raises:
-        ValueError: an unknown dtype, bad shape or offsets outside ``flat``.
+        ValueError: an unknown dtype, a bad shape or offsets outside ``flat``.
     """
     size = flat.numel()
     items: list[tuple[str, torch.dtype, tuple[int, ...], int, int]] = []
-    for key, info in header.items():
-        if key == "__metadata__":
-            continue
-        if not isinstance(info, dict):
-            raise ValueError(f"{key}: header entry must be an object")
-        dtype = _FROM_NAME.get(info.get("dtype"))  # type: ignore[arg-type]
-        if dtype is None:
-            raise ValueError(f"{key}: unsupported dtype {info.get('dtype')!r}")
-        shape, offsets = info.get("shape"), info.get("data_offsets")
-        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-            raise ValueError(f"{key}: bad shape {shape!r}")
-        if not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(o, int) for o in offsets):
-            raise ValueError(f"{key}: bad data_offsets {offsets!r}")
-        begin, end = offsets
-        count = 1
-        for d in shape:
-            count *= d
-        if begin < 0 or end != begin + count * _ITEMSIZE[dtype] or end > size:
-            raise ValueError(f"{key}: data offsets {begin}..{end} do not fit shape {shape} in {size} bytes")
-        items.append((key, dtype, tuple(shape), begin, end - begin))
-    items.sort(key=lambda item: item[3])
-    return _carve(flat, items)
+    key = ""
+    try:
+        for key, info in header.items():
+            if key == "__metadata__":
+                continue
+            dtype = _FROM_NAME[info["dtype"]]
+            shape = tuple(info["shape"])
+            begin, end = info["data_offsets"]
+            if type(begin) is not int or type(end) is not int or not 0 <= begin <= end <= size:
+                raise ValueError(f"offsets {begin}..{end} outside the {size} data bytes")
+            if end - begin != math.prod(shape) * _ITEMSIZE[dtype]:
+                raise ValueError(f"offsets {begin}..{end} do not fit shape {list(shape)}")
+            items.append((key, dtype, shape, begin, end - begin))
+        items.sort(key=lambda item: item[3])
+        return _carve(flat, items)
+    except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as exc:
+        # RuntimeError: torch refusing a shape (negative or non-integer dimensions).
+        raise ValueError(f"bad safetensors header entry {key!r}: {exc}") from exc
 
 
 # -- internals -----------------------------------------------------------------------------------
@@ -301,11 +323,78 @@ def _gather(dst: torch.Tensor, run: list[Entry]) -> None:
 
 
 def _flatten(run: list[Entry]) -> torch.Tensor:
-    """``run``'s tensors concatenated into a new flat tensor, flattened in C++ (not hundreds
-    of Python-level reshapes)."""
+    return _flatten_tensors([e.tensor for e in run])
+
+
+def _flatten_tensors(values: list[torch.Tensor]) -> torch.Tensor:
+    """``values`` concatenated into a new flat tensor, flattened in C++ (not hundreds of
+    Python-level reshapes); one gather kernel on the device."""
     from torch._utils import _flatten_dense_tensors
 
-    return _flatten_dense_tensors([e.tensor for e in run])
+    return _flatten_dense_tensors(values)
+
+
+def _header_bound(keys: list[str], values: list[torch.Tensor], metadata: Mapping[str, str] | None) -> int:
+    """An upper bound of the prefix length, cheap to compute: escaped keys take at most 6 bytes
+    a character, numbers at most 20 digits, the fixed text of an entry under 64 bytes."""
+    meta = 6 * len(json.dumps(dict(metadata))) + 32 if metadata else 0
+    dims = sum(t.dim() for t in values)
+    raw = 8 + 2 + meta + 6 * sum(map(len, keys)) + len(keys) * (64 + 2 * 21) + 21 * dims + 16
+    return raw + 8 - raw % 8
+
+
+def _serialize_one_kind(keys: list[str], values: list[torch.Tensor], metadata: Mapping[str, str] | None, chunk_bytes: int) -> HostBuffer:
+    """Tensors all on one GPU in one dtype (an adapter): the data section's place in the buffer
+    is fixed from a bound of the header's size, so the transfers start before the header exists;
+    the header is written just in front of the data while they run."""
+    dtype, device = values[0].dtype, values[0].device
+    itemsize = _ITEMSIZE[dtype]
+    numels = [t.numel() for t in values]
+    reserve = _header_bound(keys, values, metadata)
+    buf = torch.empty(reserve + sum(numels) * itemsize, dtype=torch.uint8, pin_memory=True)
+    section = buf[reserve:].view(dtype)
+    done = _launch_pieces(section, values, numels, device, chunk_bytes)
+    # Host work, overlapping the transfers.
+    offsets = list(itertools.accumulate((n * itemsize for n in numels), initial=0))
+    head = prefix(header_json(zip(keys, itertools.repeat(dtype), (t.shape for t in values), offsets, offsets[1:]), metadata))
+    begin = reserve - len(head)
+    buf[begin:reserve].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
+    from torch._utils import _unflatten_dense_tensors
+
+    out = list(_unflatten_dense_tensors(section, values))  # views, made in C++
+    for i, n in enumerate(numels):
+        if n == 0:
+            out[i] = torch.empty(values[i].shape, dtype=dtype)
+    done.synchronize()
+    return HostBuffer(data=buf[begin:], tensors=dict(zip(keys, out)), metadata=dict(metadata or {}))
+
+
+def _launch_pieces(section: torch.Tensor, values: list[torch.Tensor], numels: list[int], device: torch.device, chunk_bytes: int) -> torch.cuda.Event:
+    """Queue ``values`` (one GPU, ``section``'s dtype) into the pinned ``section`` in order,
+    gathered into pieces of up to ``chunk_bytes``; an event marks the end."""
+    limit = max(chunk_bytes // section.element_size(), 1)
+    side = torch.cuda.Stream(device=device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side), torch.no_grad():
+        i, start, n = 0, 0, len(values)
+        while i < n:
+            j, count = i + 1, numels[i]
+            while j < n and count + numels[j] <= limit:
+                count += numels[j]
+                j += 1
+            dst = section[start : start + count]
+            if j - i == 1:
+                if count:
+                    dst.view(values[i].shape).copy_(values[i], non_blocking=True)
+            else:
+                # Pinned destination: asynchronous; the gathered piece is freed stream-ordered
+                # on ``side``, so its memory is reused only after the transfer has read it.
+                dst.copy_(_flatten_tensors(values[i:j]), non_blocking=True)
+            start += count
+            i = j
+        event = torch.cuda.Event()
+        event.record(side)
+    return event
 
 
 def _launch(section: torch.Tensor, device: torch.device, group: list[Entry], chunk_bytes: int) -> torch.cuda.Event:

@@ -71,7 +71,7 @@ def _spec() -> dict:
     return {
         "version": SPEC_VERSION,
         "nbytes": 16,
-        "header": {"__metadata__": {CONFIG_KEY: "{}"}, "x": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}},
+        "header": json.dumps({"__metadata__": {CONFIG_KEY: "{}"}, "x": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}),
         "ipc": {
             "device": 0,
             "device_uuid": "GPU-00000000-0000-0000-0000-000000000000",
@@ -100,7 +100,9 @@ def test_spec_survives_json_and_decodes() -> None:
         (("ipc", "device"), True),
         (("ipc", "storage_size"), "1"),
         (("ipc", "event_sync"), 1),
-        (("header", "__metadata__"), {"k": 1}),
+        (("header",), json.dumps({"__metadata__": {"k": 1}})),
+        (("header",), "{not json"),
+        (("header",), {"x": {}}),
         (("ipc",), None),
     ],
 )
