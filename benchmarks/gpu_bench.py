@@ -230,7 +230,7 @@ def import_steps(spec: dict, steps: dict[str, float]) -> dict[str, torch.Tensor]
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     from lorasync.transports._cuda_ipc import _local_index, parse_spec
-    from lorasync.transports._d2h import views
+    from lorasync.transports._d2h import apply_views
 
     t = time.perf_counter()
 
@@ -252,7 +252,7 @@ def import_steps(spec: dict, steps: dict[str, float]) -> dict[str, torch.Tensor]
     step("copy")
     del shared
     step("unmap")
-    out = views(own, f["header"])
+    out = apply_views(own, f["plan"])
     step("views")
     return out
 

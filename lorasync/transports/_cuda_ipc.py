@@ -24,14 +24,14 @@ from __future__ import annotations
 
 import base64
 import binascii
-import itertools
+import functools
 import json
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from lorasync.transports._d2h import _ITEMSIZE, _flatten_tensors, _gather, _runs, header_json, layout, views
+from lorasync.transports._d2h import _ITEMSIZE, ViewPlan, _Background, _flatten_tensors, _gather, _one_kind_plan, _runs, apply_views, layout, plan_views
 
 __all__ = ["SPEC_VERSION", "CudaExport", "CudaIpcUnavailable", "export_tensors", "import_tensors", "parse_spec"]
 
@@ -120,11 +120,10 @@ def export_tensors(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, s
     dtype = values[0].dtype
     with torch.no_grad():
         if len(values) > 1 and dtype in _ITEMSIZE and all(t.dtype == dtype for t in values):
-            # The common case (an adapter): one gather kernel, launched before the header is
-            # written so the GPU works while Python does; data in the given order.
+            # The common case (an adapter): one gather kernel, data in the given order, the
+            # header cached per structure.
             flat = _flatten_tensors(values).view(torch.uint8)
-            offsets = list(itertools.accumulate((t.numel() * _ITEMSIZE[dtype] for t in values), initial=0))
-            header = header_json(zip(keys, itertools.repeat(dtype), (t.shape for t in values), offsets, offsets[1:]), metadata)
+            header, _, offsets, _ = _one_kind_plan(keys, values, metadata)
             nbytes = offsets[-1]
         else:
             header, entries = layout(tensors, metadata)
@@ -163,7 +162,7 @@ def parse_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
     """Validate a spec from :func:`export_tensors` (types, sizes, base64) without touching CUDA.
 
     Returns:
-        The decoded IPC fields plus ``nbytes``, ``header`` and ``metadata``.
+        The decoded IPC fields plus ``nbytes``, ``plan`` (validated views) and ``metadata``.
 
     Raises:
         ValueError: naming the first bad field.
@@ -175,16 +174,10 @@ def parse_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
         raise ValueError(f"CUDA IPC spec: bad nbytes {nbytes!r}")
     if not isinstance(text, str) or not isinstance(ipc, dict):
         raise ValueError("CUDA IPC spec needs a 'header' (safetensors JSON text) and an 'ipc' object")
-    try:
-        header = json.loads(text)
-    except ValueError as exc:
-        raise ValueError(f"CUDA IPC spec: header is not JSON: {exc}") from exc
-    if not isinstance(header, dict):
-        raise ValueError("CUDA IPC spec: header must be a JSON object")
-    metadata = header.get("__metadata__") or {}
-    if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
-        raise ValueError("CUDA IPC spec: __metadata__ must map strings to strings")
-    out: dict[str, Any] = {"nbytes": nbytes, "header": header, "metadata": metadata}
+    plan, metadata = _header_plan(text)
+    if plan.end > nbytes:
+        raise ValueError(f"CUDA IPC spec: the header needs {plan.end} bytes, the buffer has {nbytes}")
+    out: dict[str, Any] = {"nbytes": nbytes, "plan": plan, "metadata": metadata}
     for name in ("device", "storage_size", "storage_offset"):
         value = ipc.get(name)
         if not _is_int(value) or value < 0:
@@ -228,6 +221,7 @@ def import_tensors(
     local = _local_index(fields["device_uuid"])
     target = torch.device("cuda", local) if device is None else torch.device(device)
     own = torch.empty(nbytes, dtype=torch.uint8, device=target)
+    cutting = _Background(apply_views, own, fields["plan"])  # views need no data: cut them meanwhile
     if nbytes:
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
@@ -259,10 +253,25 @@ def import_tensors(
         if own.device != shared.device:
             torch.cuda.current_stream(own.device).synchronize()
         del shared
-    return views(own, fields["header"]), dict(fields["metadata"])
+    return cutting.result(), dict(fields["metadata"])
 
 
 # -- internals -----------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=16)
+def _header_plan(text: str) -> tuple[ViewPlan, dict[str, str]]:
+    """Parse and validate a header once per distinct text (every step sends the same one)."""
+    try:
+        header = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"CUDA IPC spec: header is not JSON: {exc}") from exc
+    if not isinstance(header, dict):
+        raise ValueError("CUDA IPC spec: header must be a JSON object")
+    metadata = header.get("__metadata__") or {}
+    if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise ValueError("CUDA IPC spec: __metadata__ must map strings to strings")
+    return plan_views(header), metadata
 
 
 def _uuid(index: int) -> str:

@@ -20,11 +20,13 @@ also runs inside engine processes.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import math
 import os
 import struct
+import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from multiprocessing import shared_memory
@@ -41,7 +43,9 @@ __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "HostBuffer",
     "header_json",
+    "apply_views",
     "layout",
+    "plan_views",
     "prefix",
     "serialize",
     "to_host",
@@ -203,7 +207,7 @@ def serialize(
     with torch.no_grad():
         for entry in host:
             _slot(section, entry).copy_(entry.tensor)
-    out = _carve(section, [(e.key, e.tensor.dtype, tuple(e.tensor.shape), e.begin, e.nbytes) for e in entries])
+    out = apply_views(section, plan_views(json.loads(header)))
     for event in done:
         event.synchronize()
     return HostBuffer(data=data, tensors={k: out[k] for k in tensors}, metadata=dict(metadata or {}))
@@ -231,16 +235,20 @@ def to_shm_segment(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, s
     return write_segment(tensors, metadata)
 
 
-def views(flat: torch.Tensor, header: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    """Tensors described by a safetensors ``header`` inside the ``uint8`` data section ``flat``.
+class ViewPlan(NamedTuple):
+    """Validated views of a safetensors header, reusable for every buffer with that header."""
 
-    Every entry's offsets are checked against its dtype, shape and ``flat``'s size before any
-    view is made; entries not aligned to their element size are copied instead of viewed.
+    end: int  # the data section must hold at least this many bytes
+    runs: tuple[tuple[int, int, torch.dtype, tuple[str, ...], tuple[torch.Tensor, ...]], ...]  # aligned, adjacent, one dtype: (begin, end, dtype, keys, meta templates)
+    copies: tuple[tuple[str, torch.dtype, tuple[int, ...], int, int], ...]  # misaligned: copied
+
+
+def plan_views(header: Mapping[str, Any]) -> ViewPlan:
+    """Validate a safetensors ``header`` and plan its views (see :func:`views`).
 
     Raises:
-        ValueError: an unknown dtype, a bad shape or offsets outside ``flat``.
+        ValueError: an unknown dtype, a bad shape or offsets that do not fit it.
     """
-    size = flat.numel()
     items: list[tuple[str, torch.dtype, tuple[int, ...], int, int]] = []
     key = ""
     try:
@@ -250,16 +258,66 @@ def views(flat: torch.Tensor, header: Mapping[str, Any]) -> dict[str, torch.Tens
             dtype = _FROM_NAME[info["dtype"]]
             shape = tuple(info["shape"])
             begin, end = info["data_offsets"]
-            if type(begin) is not int or type(end) is not int or not 0 <= begin <= end <= size:
-                raise ValueError(f"offsets {begin}..{end} outside the {size} data bytes")
+            if type(begin) is not int or type(end) is not int or not 0 <= begin <= end:
+                raise ValueError(f"bad offsets {begin}..{end}")
             if end - begin != math.prod(shape) * _ITEMSIZE[dtype]:
                 raise ValueError(f"offsets {begin}..{end} do not fit shape {list(shape)}")
             items.append((key, dtype, shape, begin, end - begin))
         items.sort(key=lambda item: item[3])
-        return _carve(flat, items)
+        runs, copies = [], []
+        i = 0
+        while i < len(items):
+            key, dtype, shape, begin, nbytes = items[i]
+            if begin % _ITEMSIZE[dtype]:
+                copies.append(items[i])
+                i += 1
+                continue
+            j, end = i + 1, begin + nbytes
+            while j < len(items) and items[j][1] == dtype and items[j][3] == end:
+                end += items[j][4]
+                j += 1
+            run = items[i:j]
+            # Shape templates on the meta device (no memory): the views are cut in one C++ call.
+            templates = tuple(torch.empty(it[2], dtype=dtype, device="meta") for it in run)
+            runs.append((begin, end, dtype, tuple(it[0] for it in run), templates))
+            i = j
     except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as exc:
         # RuntimeError: torch refusing a shape (negative or non-integer dimensions).
         raise ValueError(f"bad safetensors header entry {key!r}: {exc}") from exc
+    return ViewPlan(end=max((it[3] + it[4] for it in items), default=0), runs=tuple(runs), copies=tuple(copies))
+
+
+def apply_views(flat: torch.Tensor, plan: ViewPlan) -> dict[str, torch.Tensor]:
+    """The tensors of ``plan`` inside the ``uint8`` data section ``flat`` (views, in data order).
+
+    Raises:
+        ValueError: ``flat`` is shorter than the plan needs.
+    """
+    if plan.end > flat.numel():
+        raise ValueError(f"the header needs {plan.end} data bytes, the buffer holds {flat.numel()}")
+    from torch._utils import _unflatten_dense_tensors
+
+    out: dict[str, torch.Tensor] = {}
+    for begin, end, dtype, keys, templates in plan.runs:
+        section = flat[begin:end].view(dtype)
+        for key, template, view in zip(keys, templates, _unflatten_dense_tensors(section, list(templates))):
+            # unflatten gives empty tensors a fresh (0,) tensor: restore their shape.
+            out[key] = view if template.numel() else section.new_empty(template.shape)
+    for key, dtype, shape, begin, nbytes in plan.copies:
+        out[key] = flat[begin : begin + nbytes].clone().view(dtype).view(shape)
+    return out
+
+
+def views(flat: torch.Tensor, header: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """Tensors described by a safetensors ``header`` inside the ``uint8`` data section ``flat``.
+
+    Every entry's offsets are checked against its dtype, shape and ``flat``'s size before any
+    view is made; entries not aligned to their element size are copied instead of viewed.
+
+    Raises:
+        ValueError: an unknown dtype, a bad shape or offsets outside ``flat``.
+    """
+    return apply_views(flat, plan_views(header))
 
 
 # -- internals -----------------------------------------------------------------------------------
@@ -269,32 +327,6 @@ def _slot(section: torch.Tensor, entry: Entry) -> torch.Tensor:
     """``entry``'s bytes in ``section``, viewed as its dtype and shape."""
     raw = section[entry.begin : entry.begin + entry.nbytes]
     return raw.view(entry.tensor.dtype).view(entry.tensor.shape)
-
-
-def _carve(section: torch.Tensor, items: list[tuple[str, torch.dtype, tuple[int, ...], int, int]]) -> dict[str, torch.Tensor]:
-    """Views of ``(key, dtype, shape, begin, nbytes)`` items (sorted by ``begin``) in ``section``.
-
-    Runs of adjacent same-dtype items are cut with one ``split`` (hundreds of small views cost
-    milliseconds one by one); a misaligned item is copied.
-    """
-    out: dict[str, torch.Tensor] = {}
-    i = 0
-    while i < len(items):
-        key, dtype, shape, begin, nbytes = items[i]
-        size = _ITEMSIZE[dtype]
-        if begin % size:
-            out[key] = section[begin : begin + nbytes].clone().view(dtype).view(shape)
-            i += 1
-            continue
-        j, end = i + 1, begin + nbytes
-        while j < len(items) and items[j][1] == dtype and items[j][3] == end:
-            end += items[j][4]
-            j += 1
-        parts = section[begin:end].view(dtype).split([items[k][4] // size for k in range(i, j)])
-        for k, part in zip(range(i, j), parts):
-            out[items[k][0]] = part.view(items[k][2])
-        i = j
-    return out
 
 
 def _runs(group: list[Entry], chunk_bytes: int) -> Iterator[list[Entry]]:
@@ -334,42 +366,71 @@ def _flatten_tensors(values: list[torch.Tensor]) -> torch.Tensor:
     return _flatten_dense_tensors(values)
 
 
-def _header_bound(keys: list[str], values: list[torch.Tensor], metadata: Mapping[str, str] | None) -> int:
-    """An upper bound of the prefix length, cheap to compute: escaped keys take at most 6 bytes
-    a character, numbers at most 20 digits, the fixed text of an entry under 64 bytes."""
-    meta = 6 * len(json.dumps(dict(metadata))) + 32 if metadata else 0
-    dims = sum(t.dim() for t in values)
-    raw = 8 + 2 + meta + 6 * sum(map(len, keys)) + len(keys) * (64 + 2 * 21) + 21 * dims + 16
-    return raw + 8 - raw % 8
+@functools.lru_cache(maxsize=16)
+def _plan(keys: tuple[str, ...], shapes: tuple[torch.Size, ...], dtype: torch.dtype, meta: tuple[tuple[str, str], ...]) -> tuple[str, torch.Tensor, tuple[int, ...], tuple[int, ...]]:
+    """Header text, file prefix (as a tensor), offsets and element counts of one-dtype tensors in
+    the given order. Cached: a trainer exports the same structure at every step."""
+    itemsize = _ITEMSIZE[dtype]
+    numels = tuple(math.prod(shape) for shape in shapes)
+    offsets = tuple(itertools.accumulate((n * itemsize for n in numels), initial=0))
+    text = header_json(zip(keys, itertools.repeat(dtype), shapes, offsets, offsets[1:]), dict(meta))
+    return text, torch.frombuffer(bytearray(prefix(text)), dtype=torch.uint8), offsets, numels
+
+
+def _one_kind_plan(keys: list[str], values: list[torch.Tensor], metadata: Mapping[str, str] | None) -> tuple[str, torch.Tensor, tuple[int, ...], tuple[int, ...]]:
+    return _plan(tuple(keys), tuple(t.shape for t in values), values[0].dtype, tuple(sorted((metadata or {}).items())))
+
+
+class _Background:
+    """``fn(*args)`` on a short-lived thread: torch ops release the GIL, so C++-heavy host work
+    (cutting hundreds of views) overlaps the caller's."""
+
+    def __init__(self, fn: Any, *args: Any) -> None:
+        self._result: list[Any] = []
+        self._thread = threading.Thread(target=self._run, args=(fn, *args), name="lorasync-d2h", daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Any, *args: Any) -> None:
+        try:
+            self._result.append((True, fn(*args)))
+        except BaseException as exc:  # re-raised in the caller's thread
+            self._result.append((False, exc))
+
+    def result(self) -> Any:
+        self._thread.join()
+        ok, value = self._result[0]
+        if not ok:
+            raise value
+        return value
+
+
+def _host_views(section: torch.Tensor, values: list[torch.Tensor]) -> list[torch.Tensor]:
+    from torch._utils import _unflatten_dense_tensors
+
+    out = list(_unflatten_dense_tensors(section, values))  # views, cut in C++
+    for i, t in enumerate(values):
+        if t.numel() == 0:  # unflatten gives empty tensors a fresh (0,) tensor
+            out[i] = section.new_empty(t.shape)
+    return out
 
 
 def _serialize_one_kind(keys: list[str], values: list[torch.Tensor], metadata: Mapping[str, str] | None, chunk_bytes: int) -> HostBuffer:
-    """Tensors all on one GPU in one dtype (an adapter): the data section's place in the buffer
-    is fixed from a bound of the header's size, so the transfers start before the header exists;
-    the header is written just in front of the data while they run."""
+    """Tensors all on one GPU in one dtype (an adapter): the transfers start first; the prefix is
+    written and the host views are cut while they run."""
     dtype, device = values[0].dtype, values[0].device
-    itemsize = _ITEMSIZE[dtype]
-    numels = [t.numel() for t in values]
-    reserve = _header_bound(keys, values, metadata)
-    buf = torch.empty(reserve + sum(numels) * itemsize, dtype=torch.uint8, pin_memory=True)
-    section = buf[reserve:].view(dtype)
+    _, head, offsets, numels = _one_kind_plan(keys, values, metadata)
+    start = head.numel()
+    buf = torch.empty(start + offsets[-1], dtype=torch.uint8, pin_memory=True)
+    section = buf[start:].view(dtype)
+    cutting = _Background(_host_views, section, values)
     done = _launch_pieces(section, values, numels, device, chunk_bytes)
-    # Host work, overlapping the transfers.
-    offsets = list(itertools.accumulate((n * itemsize for n in numels), initial=0))
-    head = prefix(header_json(zip(keys, itertools.repeat(dtype), (t.shape for t in values), offsets, offsets[1:]), metadata))
-    begin = reserve - len(head)
-    buf[begin:reserve].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
-    from torch._utils import _unflatten_dense_tensors
-
-    out = list(_unflatten_dense_tensors(section, values))  # views, made in C++
-    for i, n in enumerate(numels):
-        if n == 0:
-            out[i] = torch.empty(values[i].shape, dtype=dtype)
+    buf[:start].copy_(head)
+    out = cutting.result()
     done.synchronize()
-    return HostBuffer(data=buf[begin:], tensors=dict(zip(keys, out)), metadata=dict(metadata or {}))
+    return HostBuffer(data=buf, tensors=dict(zip(keys, out)), metadata=dict(metadata or {}))
 
 
-def _launch_pieces(section: torch.Tensor, values: list[torch.Tensor], numels: list[int], device: torch.device, chunk_bytes: int) -> torch.cuda.Event:
+def _launch_pieces(section: torch.Tensor, values: list[torch.Tensor], numels: Sequence[int], device: torch.device, chunk_bytes: int) -> torch.cuda.Event:
     """Queue ``values`` (one GPU, ``section``'s dtype) into the pinned ``section`` in order,
     gathered into pieces of up to ``chunk_bytes``; an event marks the end."""
     limit = max(chunk_bytes // section.element_size(), 1)
