@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from lorasync.transports._d2h import _ITEMSIZE, ViewPlan, _Background, _flatten_tensors, _gather, _one_kind_plan, _runs, apply_views, layout, plan_views
+from lorasync.transports._d2h import _ITEMSIZE, ViewPlan, _flatten_tensors, _gather, _one_kind_plan, _runs, apply_views, layout, plan_views
 
 __all__ = ["SPEC_VERSION", "CudaExport", "CudaIpcUnavailable", "export_tensors", "import_tensors", "parse_spec"]
 
@@ -221,7 +221,6 @@ def import_tensors(
     local = _local_index(fields["device_uuid"])
     target = torch.device("cuda", local) if device is None else torch.device(device)
     own = torch.empty(nbytes, dtype=torch.uint8, device=target)
-    cutting = _Background(apply_views, own, fields["plan"])  # views need no data: cut them meanwhile
     if nbytes:
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
@@ -253,7 +252,7 @@ def import_tensors(
         if own.device != shared.device:
             torch.cuda.current_stream(own.device).synchronize()
         del shared
-    return cutting.result(), dict(fields["metadata"])
+    return apply_views(own, fields["plan"]), dict(fields["metadata"])
 
 
 # -- internals -----------------------------------------------------------------------------------

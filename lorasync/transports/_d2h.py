@@ -26,7 +26,6 @@ import json
 import math
 import os
 import struct
-import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from multiprocessing import shared_memory
@@ -381,29 +380,6 @@ def _one_kind_plan(keys: list[str], values: list[torch.Tensor], metadata: Mappin
     return _plan(tuple(keys), tuple(t.shape for t in values), values[0].dtype, tuple(sorted((metadata or {}).items())))
 
 
-class _Background:
-    """``fn(*args)`` on a short-lived thread: torch ops release the GIL, so C++-heavy host work
-    (cutting hundreds of views) overlaps the caller's."""
-
-    def __init__(self, fn: Any, *args: Any) -> None:
-        self._result: list[Any] = []
-        self._thread = threading.Thread(target=self._run, args=(fn, *args), name="lorasync-d2h", daemon=True)
-        self._thread.start()
-
-    def _run(self, fn: Any, *args: Any) -> None:
-        try:
-            self._result.append((True, fn(*args)))
-        except BaseException as exc:  # re-raised in the caller's thread
-            self._result.append((False, exc))
-
-    def result(self) -> Any:
-        self._thread.join()
-        ok, value = self._result[0]
-        if not ok:
-            raise value
-        return value
-
-
 def _host_views(section: torch.Tensor, values: list[torch.Tensor]) -> list[torch.Tensor]:
     from torch._utils import _unflatten_dense_tensors
 
@@ -422,10 +398,10 @@ def _serialize_one_kind(keys: list[str], values: list[torch.Tensor], metadata: M
     start = head.numel()
     buf = torch.empty(start + offsets[-1], dtype=torch.uint8, pin_memory=True)
     section = buf[start:].view(dtype)
-    cutting = _Background(_host_views, section, values)
     done = _launch_pieces(section, values, numels, device, chunk_bytes)
+    # Host work, overlapping the transfers.
     buf[:start].copy_(head)
-    out = cutting.result()
+    out = _host_views(section, values)
     done.synchronize()
     return HostBuffer(data=buf, tensors=dict(zip(keys, out)), metadata=dict(metadata or {}))
 
