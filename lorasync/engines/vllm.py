@@ -217,7 +217,9 @@ class VLLMEngine(HTTPEngine):
         await self._arun(self._unload(name), adapter=name)
 
     def load_adapter_tensors(self, name: str, adapter: Adapter) -> None:
-        """Load ``adapter`` as ``name`` from shared memory, without files.
+        """Load ``adapter`` as ``name`` without files: through CUDA IPC when its tensors are on one
+        GPU and the server is on this host (the workers copy them out of the trainer's GPU
+        memory), else through shared memory (GPU tensors reach it in one transfer).
 
         Needs the lorasync worker extension (``--worker-extension-cls
         lorasync.engines.vllm_worker.LoraSyncWorkerExtension``) and ``VLLM_SERVER_DEV_MODE=1``;

@@ -1,14 +1,18 @@
 """Device-to-host export of GPU tensors: one pinned host buffer, one synchronisation.
 
 ``tensor.cpu()`` per tensor waits for the GPU once per tensor; for an adapter of ~500 small
-tensors that is ~60x slower than one copy of the same bytes. :func:`serialize` instead
+tensors that is ~50x slower than one copy of the same bytes. :func:`serialize` instead
 
 1. lays the tensors out as a safetensors file (8-byte header length, JSON header, raw data) in
    one page-locked host buffer (torch's caching host allocator, so repeated exports reuse it);
 2. on a side stream that first waits for the caller's current stream, gathers the tensors of
-   each device into one staging buffer on that device (one concatenation kernel) and copies it to
-   its slice of the host buffer with one asynchronous copy;
-3. waits once per device.
+   each device into pieces of a few MiB (one concatenation kernel each) and copies each piece to
+   its slice of the host buffer asynchronously, so gathering overlaps the transfers;
+3. writes the header and cuts the host views while the transfers run, then waits once per device.
+
+For the common case (one GPU, one dtype: an adapter) the header is cached per structure: a
+trainer exports the same keys and shapes at every step. What remains on the host is a few
+microseconds per tensor of view bookkeeping (docs/benchmarks-gpu.md has the numbers).
 
 The result is already a valid safetensors file: writing it to disk or into a shared-memory
 segment is one memcpy (:meth:`HostBuffer.write_to`, :meth:`HostBuffer.to_shm`), and its tensors
