@@ -126,7 +126,7 @@ class Adapter:
         device, so an unchanged adapter is recognised wherever it lives."""
         if self._hash is None:
             h = hashlib.sha256()
-            h.update(json.dumps(self._config.to_dict(), sort_keys=True).encode())
+            h.update(_canonical_config(self._config).encode())
             for key, tensor in _on_host(self._tensors).items():
                 cpu = tensor.detach().to("cpu").contiguous()
                 h.update(f"\0{key}\0{cpu.dtype}\0{tuple(cpu.shape)}\0".encode())
@@ -192,7 +192,8 @@ class Adapter:
             else:
                 tensors = {k: t.detach().to("cpu").contiguous() for k, t in self._tensors.items()}
                 save_file(tensors, str(path / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-            self._config.to_peft().save_pretrained(str(path))
+            # PEFT sorts pattern keys on disk; pin them so the file means what the trainer ran.
+            self._config.pinned(self._modules).to_peft().save_pretrained(str(path))
         except OSError as exc:
             raise StorageError(f"cannot write adapter to {path}: {exc}; check the path and free space") from exc
         return path
@@ -248,6 +249,16 @@ def _on_host(tensors: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
     return serialize(tensors).tensors
 
 
+def _canonical_config(config: AdapterConfig) -> str:
+    """JSON of ``config`` for hashing: numbers typed as PEFT compares them (``lora_alpha`` 16 and
+    16.0 are one config) and patterns as ordered pairs (their order changes their meaning)."""
+    data = config.to_dict()
+    data["lora_alpha"] = float(config.lora_alpha)
+    data["rank_pattern"] = [[k, int(v)] for k, v in config.rank_pattern.items()]
+    data["alpha_pattern"] = [[k, float(v)] for k, v in config.alpha_pattern.items()]
+    return json.dumps(data, sort_keys=True)
+
+
 def _validate(modules: Mapping[str, Mapping[str, torch.Tensor]], config: AdapterConfig, *, check_finite: bool) -> None:
     dtype: torch.dtype | None = None
     first_key = ""
@@ -264,9 +275,17 @@ def _validate(modules: Mapping[str, Mapping[str, torch.Tensor]], config: Adapter
         for side, t in (("A", a), ("B", b)):
             key = peft_key(module, side)
             if t.dim() != 2:
-                raise ShapeMismatchError(f"{key} must be 2-D, got shape {tuple(t.shape)}", key=key)
+                raise ShapeMismatchError(
+                    f"{key} must be 2-D, got shape {tuple(t.shape)}; split packed [E, ...] expert "
+                    "factors into one module per expert",
+                    key=key,
+                )
             if not t.is_floating_point():
-                raise DtypeMismatchError(f"{key} has non-floating dtype {t.dtype}", key=key)
+                raise DtypeMismatchError(
+                    f"{key} has non-floating dtype {t.dtype}; LoRA factors must be float32, bfloat16 "
+                    "or float16 (cast them before building the Adapter)",
+                    key=key,
+                )
             if dtype is None:
                 dtype, first_key = t.dtype, key
             elif t.dtype != dtype:

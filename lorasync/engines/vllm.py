@@ -153,6 +153,7 @@ class VLLMEngine(HTTPEngine):
         self.max_rank = max_rank
         self.max_loras = max_loras
         self.same_host = same_host if same_host is not None else urlsplit(self.url).hostname in _LOCAL_HOSTS
+        self._ipc_tokens: dict[str, str] = {}  # adapter name -> token of tensors staged in the workers
 
     # -- public API: each operation written once, driven sync and async ---------------------------
 
@@ -430,6 +431,9 @@ class VLLMEngine(HTTPEngine):
         except BaseException:
             yield from self._rpc("lorasync_release_adapter", token, adapter=name, check=False)
             raise
+        # Released on unload. A restarted client cannot know the token: those tensors stay staged
+        # in the workers until the engine restarts (documented in docs/engines/vllm.md).
+        self._ipc_tokens[name] = token
 
     def _stage_cuda(self, name: str, token: str, adapter: Adapter, config: str) -> Operation[bool]:
         """Hand the adapter's GPU tensors to every worker through CUDA IPC; False when some
@@ -486,13 +490,12 @@ class VLLMEngine(HTTPEngine):
     def _unload(self, name: str) -> Operation[None]:
         if not name:
             raise ConfigError("adapter name must be a non-empty string")
-        models = yield Call("GET", MODELS_ROUTE)
-        root = _adapter_roots(models).get(name) or ""
         response = yield Call("POST", UNLOAD_ROUTE, json={"lora_name": name})
         if response.status_code == 200:
-            if root.startswith(IPC_PREFIX):
+            token = self._ipc_tokens.pop(name, None)
+            if token is not None:
                 # Tensors staged in the workers for this name are no longer reachable by requests.
-                yield from self._rpc("lorasync_release_adapter", root[len(IPC_PREFIX) :], adapter=name, check=False)
+                yield from self._rpc("lorasync_release_adapter", token, adapter=name, check=False)
             return
         if _route_missing(response):
             raise self._disabled(response, UNLOAD_ROUTE, name)

@@ -45,8 +45,9 @@ def export(
         adapter_name (`str`, defaults to ``"default"``): the PEFT adapter to export; other
             adapters' weights are never included.
         rank (`int` or per-module `Mapping`, *optional*): the real rank. Padding beyond it is
-            trimmed after proving it is zero. Defaults to the PEFT config's ``r`` (model) or the
-            tensors' own rank (mapping).
+            trimmed after proving it is zero. A mapping (module path → rank) must cover every
+            exported module; its largest value becomes ``r`` and the others ``rank_pattern``.
+            Defaults to the PEFT config's ``r`` (model) or the tensors' own rank (mapping).
         alpha (`float`, *optional*): ``lora_alpha``; required for a mapping without ``config``.
         config (`AdapterConfig`, *optional*): explicit config; wins over the model's PEFT config.
         dtype (`torch.dtype`, *optional*): cast the exported tensors.
@@ -75,16 +76,25 @@ def export(
             adapter=adapter_name,
         )
 
+    if isinstance(rank, Mapping) and not rank:
+        raise ConfigError("rank= is an empty mapping; pass one int or a rank for every module")
     base = config or (AdapterConfig.from_peft(peft_cfg) if peft_cfg is not None else None)
     if base is None:
         if alpha is None:
             raise ConfigError("exporting from a state dict needs alpha= (lora_alpha) or config=")
-        real = rank if isinstance(rank, int) else max(t.shape[0] for k, t in raw.items() if k.endswith("lora_A.weight"))
+        # The tensors' own rank: A's rows (B's columns when A is missing; validation names it).
+        ranks = [t.shape[-2] for k, t in raw.items() if k.endswith(".lora_A.weight")]
+        real = rank if isinstance(rank, int) else max(ranks or [t.shape[-1] for t in raw.values()])
         base = AdapterConfig(r=real, lora_alpha=alpha)
     # Derived from what is exported, never from a pattern like "all-linear".
     changes: dict[str, Any] = {"target_modules": ()}
     if isinstance(rank, int):
         changes["r"] = rank
+    elif rank is not None:
+        # Per-module real ranks: the largest is r, the others become PEFT rank_pattern entries.
+        top = max(rank.values())
+        changes["r"] = top
+        changes["rank_pattern"] = {m: v for m, v in rank.items() if v != top}
     if alpha is not None:
         changes["lora_alpha"] = alpha
     if base_model_name_or_path is not None:
