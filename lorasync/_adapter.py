@@ -129,7 +129,7 @@ class Adapter:
         if self._hash is None:
             h = hashlib.sha256()
             h.update(_canonical_config(self._config).encode())
-            for key, tensor in self._tensors.items():
+            for key, tensor in _on_host(self._tensors).items():
                 cpu = _cpu_contiguous(tensor)
                 h.update(f"\0{key}\0{cpu.dtype}\0{tuple(cpu.shape)}\0".encode())
                 h.update(_raw_bytes(cpu))  # the tensor's memory in place: no staging copy
@@ -155,6 +155,18 @@ class Adapter:
         tensors = {k: t.to(device=device, dtype=dtype) for k, t in self._tensors.items()}
         return Adapter(tensors, self._config)
 
+    def _with_tensors(self, tensors: Mapping[str, torch.Tensor]) -> Adapter:
+        """This adapter over ``tensors``: the same keys, shapes, dtype and bytes elsewhere (e.g.
+        copied to the host), so validation and the content hash carry over."""
+        new = object.__new__(Adapter)
+        # Keys alternate A, B in module order (see __init__): no key parsing needed.
+        keys = list(self._tensors)
+        new._modules = {m: {"A": tensors[keys[2 * i]], "B": tensors[keys[2 * i + 1]]} for i, m in enumerate(self._modules)}
+        new._tensors = MappingProxyType({k: tensors[k] for k in keys})
+        new._config = self._config
+        new._hash = self._hash
+        return new
+
     # -- PEFT on-disk format ----------------------------------------------------------------
 
     def save(self, directory: str | os.PathLike[str]) -> Path:
@@ -172,8 +184,14 @@ class Adapter:
         path = Path(directory)
         try:
             path.mkdir(parents=True, exist_ok=True)
-            tensors = {k: _cpu_contiguous(t) for k, t in self._tensors.items()}
-            _save_safetensors(tensors, path / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+            if _any_cuda(self._tensors):
+                # One device-to-host transfer, the file already laid out in the host buffer.
+                from lorasync.transports._d2h import serialize
+
+                serialize(self._tensors, {"format": "pt"}).write_to(path / ADAPTER_WEIGHTS)
+            else:
+                tensors = {k: _cpu_contiguous(t) for k, t in self._tensors.items()}
+                _save_safetensors(tensors, path / ADAPTER_WEIGHTS, metadata={"format": "pt"})
             # PEFT sorts pattern keys on disk; pin them so the file means what the trainer ran.
             self._config.pinned(self._modules).to_peft().save_pretrained(str(path))
         except OSError as exc:
@@ -216,6 +234,19 @@ class Adapter:
             tensors[peft_key(*parsed)] = tensor
         config = AdapterConfig.from_peft(LoraConfig.from_pretrained(str(path)))
         return cls(tensors, config, check_finite=check_finite)
+
+
+def _any_cuda(tensors: Mapping[str, torch.Tensor]) -> bool:
+    return any(t.is_cuda for t in tensors.values())
+
+
+def _on_host(tensors: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+    """``tensors`` in host memory: GPU tensors in one transfer (not one GPU wait per tensor)."""
+    if not _any_cuda(tensors):
+        return tensors
+    from lorasync.transports._d2h import serialize
+
+    return serialize(tensors).tensors
 
 
 def _canonical_config(config: AdapterConfig) -> str:

@@ -15,24 +15,29 @@ __all__ = ["fold_buckets", "fold_module"]
 def fold_module(
     adapter: Adapter, module: str, base: BaseWeights, *, device: str | torch.device | None = None, block_bytes: int = 32 << 20
 ) -> torch.Tensor:
-    """``W0 + scale·B·A`` for ``module`` in W0's dtype, accumulated in float32 (on ``device``).
+    """``W0 + scale·B·A`` for ``module`` in W0's dtype, computed in float32 and rounded once, on
+    ``device`` (default: where W0 is); the result stays there.
 
-    Folded in row blocks of at most ``block_bytes`` of float32, so the extra memory beyond the
-    result is one block, not a float32 copy of the whole weight.
+    W0 travels to ``device`` alone and in its own dtype. The rank-r product is formed in float32
+    in row blocks of at most ``block_bytes`` and added to W0 by one elementwise pass that writes
+    the result in W0's dtype, so the extra memory is one float32 block, never a float32 copy of
+    the weight. (cuBLAS's fused 16-bit ``addmm`` would round ``s·B·A`` to 16 bits before adding
+    it, which loses precision where W0 and the delta cancel.)
     """
     w0 = base.get(f"{module}.weight")
     a, b = adapter.pair(module)
-    dev = device if device is not None else w0.device
+    dev = torch.device(device) if device is not None else w0.device
+    w0 = w0.to(device=dev, non_blocking=True)
     a32 = a.to(device=dev, dtype=torch.float32)
     b32 = b.to(device=dev, dtype=torch.float32)
     scale = adapter.config.scale_for(module)
-    out = torch.empty(w0.shape, dtype=w0.dtype, device=dev)
+    out = torch.empty_like(w0)
     rows = max(1, block_bytes // (4 * max(1, w0.shape[1])))
     for start in range(0, w0.shape[0], rows):
         stop = min(start + rows, w0.shape[0])
-        acc = w0[start:stop].to(device=dev, dtype=torch.float32)
-        acc.addmm_(b32[start:stop], a32, alpha=scale)  # in place: no separate delta tensor
-        out[start:stop] = acc
+        delta = torch.mm(b32[start:stop], a32)
+        # Float32 arithmetic (type promotion), written straight into W0's dtype.
+        torch.add(w0[start:stop], delta, alpha=scale, out=out[start:stop])
     return out
 
 
