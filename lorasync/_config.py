@@ -18,7 +18,8 @@ __all__ = ["AdapterConfig"]
 
 
 def _frozen(mapping: Mapping[str, Any] | None) -> Mapping[str, Any]:
-    return MappingProxyType(dict(sorted((mapping or {}).items())))
+    # Insertion order is kept: PEFT resolves rank/alpha patterns first-match in that order.
+    return MappingProxyType(dict((mapping or {}).items()))
 
 
 @dataclass(frozen=True)
@@ -35,10 +36,12 @@ class AdapterConfig:
         default=None, metadata={"help": "Base model id or path the adapter belongs to."}
     )
     rank_pattern: Mapping[str, int] = field(
-        default_factory=dict, metadata={"help": "Per-module rank overrides (PEFT semantics)."}
+        default_factory=dict,
+        metadata={"help": "Per-module rank overrides (PEFT semantics: first match in insertion order)."},
     )
     alpha_pattern: Mapping[str, float] = field(
-        default_factory=dict, metadata={"help": "Per-module alpha overrides (PEFT semantics)."}
+        default_factory=dict,
+        metadata={"help": "Per-module alpha overrides (PEFT semantics: first match in insertion order)."},
     )
 
     def __post_init__(self) -> None:
@@ -93,6 +96,36 @@ class AdapterConfig:
         """A copy with ``changes`` applied (validated again)."""
         return replace(self, **changes)
 
+    def pinned(self, modules: Iterable[str]) -> AdapterConfig:
+        """A config giving each of ``modules`` the same rank and alpha whatever order its
+        patterns are read in.
+
+        PEFT matches ``rank_pattern``/``alpha_pattern`` first-match in key order, but writes
+        ``adapter_config.json`` with sorted keys, so overlapping patterns (``"q_proj"`` and
+        ``"model.layers.0.self_attn.q_proj"``) can change meaning on disk. When they would,
+        the patterns are replaced by one entry per module whose value differs from the default;
+        otherwise ``self`` is returned unchanged.
+
+        Raises:
+            ConfigError: even per-module patterns stay ambiguous (module paths that suffix-match
+                each other); fold the scales with ``normalize_scaling`` instead.
+        """
+        modules = list(modules)
+        if not self.rank_pattern and not self.alpha_pattern:
+            return self
+        if _same_values(self, _sorted_patterns(self), modules):
+            return self
+        pinned = self.with_(
+            rank_pattern={m: self.rank_for(m) for m in modules if self.rank_for(m) != self.r},
+            alpha_pattern={m: self.alpha_for(m) for m in modules if self.alpha_for(m) != float(self.lora_alpha)},
+        )
+        if not _same_values(self, _sorted_patterns(pinned), modules):
+            raise ConfigError(
+                "rank_pattern/alpha_pattern cannot be written order-independently for these module "
+                "paths; apply lorasync.exporters.normalize_scaling() before saving"
+            )
+        return pinned
+
     # -- PEFT and JSON round trips ---------------------------------------------------------
 
     def to_peft(self) -> Any:
@@ -132,7 +165,8 @@ class AdapterConfig:
             )
         targets = data.get("target_modules") or ()
         if isinstance(targets, str):
-            targets = (targets,)
+            # A string is a regex in PEFT, not a leaf name; derive the leaves from the tensors.
+            targets = ()
         return cls(
             r=int(data["r"]),
             lora_alpha=data["lora_alpha"],
@@ -162,6 +196,18 @@ def _pattern_key(patterns: Mapping[str, Any], module: str) -> str | None:
 
     key = get_pattern_key(list(patterns), module)
     return key if key in patterns else None
+
+
+def _sorted_patterns(config: AdapterConfig) -> AdapterConfig:
+    """``config`` as PEFT reads it back from its own sorted-keys ``adapter_config.json``."""
+    return config.with_(
+        rank_pattern=dict(sorted(config.rank_pattern.items())),
+        alpha_pattern=dict(sorted(config.alpha_pattern.items())),
+    )
+
+
+def _same_values(a: AdapterConfig, b: AdapterConfig, modules: Iterable[str]) -> bool:
+    return all(a.rank_for(m) == b.rank_for(m) and a.alpha_for(m) == b.alpha_for(m) for m in modules)
 
 
 def leaf_names(modules: Iterable[str]) -> tuple[str, ...]:

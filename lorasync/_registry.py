@@ -39,6 +39,7 @@ class Registry:
         self._loaded: dict[str, type] = {}
         self._discovered = group is None
         self._lock = threading.Lock()
+        self._discover_lock = threading.Lock()
 
     def register(self, name: str, target: str | type, *, clobber: bool = False) -> None:
         """Register ``target`` (a class or ``"module:Class"``) under ``name``.
@@ -95,14 +96,18 @@ class Registry:
         """Read the entry-point group once per registry. Loading must be idempotent."""
         if self._discovered:
             return
-        self._discovered = True
-        assert self._group is not None
-        eps = sorted(metadata.entry_points(group=self._group), key=_builtin_first)
-        for ep in eps:
-            try:
-                self.register(ep.name, ep.value)
-            except Exception:  # a broken plugin must never break lorasync
-                logger.exception("skipping %s plugin %r from %r", self._group, ep.name, ep.value)
+        # Concurrent first lookups (engines driven in parallel) wait until every entry point
+        # is registered instead of seeing a half-filled registry.
+        with self._discover_lock:
+            if self._discovered or self._group is None:
+                return
+            eps = sorted(metadata.entry_points(group=self._group), key=_builtin_first)
+            for ep in eps:
+                try:
+                    self.register(ep.name, ep.value)
+                except Exception:  # a broken plugin must never break lorasync
+                    logger.exception("skipping %s plugin %r from %r", self._group, ep.name, ep.value)
+            self._discovered = True
 
 
 def _builtin_first(ep: metadata.EntryPoint) -> tuple[int, str]:

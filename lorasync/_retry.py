@@ -50,6 +50,8 @@ class RetryPolicy:
             raise ConfigError(f"attempts must be >= 1, got {self.attempts}")
         if self.backoff < 0 or self.backoff_max < 0 or self.jitter < 0:
             raise ConfigError("backoff, backoff_max and jitter must be >= 0")
+        if any(not isinstance(s, int) or isinstance(s, bool) or not 100 <= s <= 599 for s in self.statuses):
+            raise ConfigError(f"statuses must be HTTP status ints (100-599), got {sorted(map(repr, self.statuses))}")
         bad = sorted(s for s in self.statuses if 400 <= s < 500)
         if bad:
             raise ConfigError(f"4xx statuses are never retried (a retry cannot fix the request): {bad}")
@@ -70,14 +72,17 @@ class RetryPolicy:
         """True when a failed attempt may be tried again."""
         if isinstance(error, RetryableStatus):
             return error.response.status_code in self.statuses
-        return isinstance(error, (httpx.TransportError,)) and not isinstance(error, httpx.UnsupportedProtocol)
+        # A bad URL scheme or a request this client itself cannot encode fails the same way again.
+        final = (httpx.UnsupportedProtocol, httpx.LocalProtocolError)
+        return isinstance(error, httpx.TransportError) and not isinstance(error, final)
 
     def should_retry_status(self, status: int) -> bool:
         return status in self.statuses
 
     def wait(self, retry_number: int, rng: random.Random | None = None) -> float:
         """Seconds to wait before retry ``retry_number`` (1-based)."""
-        base = min(self.backoff_max, self.backoff * (2 ** (retry_number - 1)))
+        # Exponent capped: 2**1100 would overflow a float long after backoff_max caps the wait.
+        base = min(self.backoff_max, self.backoff * 2.0 ** min(max(retry_number - 1, 0), 64))
         return base + (rng or random).uniform(0, self.jitter)
 
     def _kwargs(self) -> dict[str, Any]:

@@ -29,13 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log what happens (INFO level)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in SUBCOMMANDS:
-        try:
-            module = importlib.import_module(f"lorasync.cli.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"lorasync.cli.{name}":
-                raise
-            continue
-        module.register(sub)
+        importlib.import_module(f"lorasync.cli.{name}").register(sub)
     return parser
 
 

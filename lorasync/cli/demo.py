@@ -20,7 +20,7 @@ def register(sub: Any) -> None:
     p.add_argument("--engine", action="append", default=[], metavar="SPEC", help="engine spec like vllm:http://127.0.0.1:8000 (repeatable); default: the embedded PEFT engine")
     p.add_argument("--base", metavar="DIR", help="base model directory (default: build a tiny one in a temp dir)")
     p.add_argument("--make-base", metavar="DIR", help="only write the tiny base model to DIR (to start vLLM on it) and exit")
-    p.add_argument("--steps", type=int, default=3, help="training steps, one publish each (default 3)")
+    p.add_argument("--steps", type=int, default=5, help="training steps, one publish each (default 5)")
     p.add_argument("--transport", default="auto", choices=("auto", "disk", "ipc", "merged"))
     p.add_argument("--root", metavar="DIR", help="disk transport root (default /dev/shm/lorasync)")
     p.set_defaults(func=_main)
@@ -37,10 +37,17 @@ def _main(args: argparse.Namespace) -> int:
     return 0 if all(r.ok for r in reports) else 1
 
 
-def run_demo(*, engines: list[str] | None = None, base: str | None = None, steps: int = 3, transport: str = "auto", root: str | None = None) -> list[Any]:
+def run_demo(*, engines: list[str] | None = None, base: str | None = None, steps: int = 5, transport: str = "auto", root: str | None = None) -> list[Any]:
     """Run the demo; returns one PublishReport per step."""
+    import warnings
+
     import torch
+    import transformers
     from transformers import AutoModelForCausalLM
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", category=FutureWarning)
 
     from lorasync import Probe, Publisher
     from lorasync.engines import connect
@@ -61,11 +68,12 @@ def run_demo(*, engines: list[str] | None = None, base: str | None = None, steps
     prompt = [11, 42, 77, 105, 300]
     target = [200, 201, 202, 203]
     ids = torch.tensor([prompt + target])
-    optim = torch.optim.Adam([p for n, p in trainer.named_parameters() if "lora_" in n], lr=2e-2)
+    labels = torch.tensor([[-100] * len(prompt) + target])  # learn the continuation only
+    optim = torch.optim.Adam([p for n, p in trainer.named_parameters() if "lora_" in n], lr=1e-2)
     reports = []
     for step in range(1, steps + 1):
         trainer.train()
-        loss = trainer(input_ids=ids, labels=ids).loss
+        loss = trainer(input_ids=ids, labels=labels).loss
         loss.backward()
         optim.step()
         optim.zero_grad()

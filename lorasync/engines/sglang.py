@@ -214,6 +214,7 @@ class SGLangEngine(HTTPEngine):
         if weight_bucket_bytes < 1:
             raise ConfigError(f"weight_bucket_bytes must be >= 1, got {weight_bucket_bytes}")
         self._tp_size = tp_size
+        self._session_open = False  # a weight-update session opened by begin_weight_update
         self.weight_bucket_bytes = weight_bucket_bytes
         self.checksums = checksums
         self._known: dict[str, str] = {}  # loaded_adapters of the last LoRA answer (pre-0.5.10 listing)
@@ -278,6 +279,21 @@ class SGLangEngine(HTTPEngine):
             EngineError: the server refused (message says why); the session is closed.
         """
         self._run(self._update_weights_op(named_tensors))
+
+    def begin_weight_update(self) -> None:
+        """Open one weight-update session (0.5.23+) for a series of :meth:`update_weights`
+        buckets, so no request sees half of a merged update."""
+        self._run(self._session_op(True))
+
+    def end_weight_update(self) -> None:
+        """Close the session opened by :meth:`begin_weight_update` (no-op when none is open)."""
+        self._run(self._session_op(False))
+
+    async def abegin_weight_update(self) -> None:
+        await self._arun(self._session_op(True))
+
+    async def aend_weight_update(self) -> None:
+        await self._arun(self._session_op(False))
 
     def update_weights_from_disk(self, path: str | os.PathLike[str], *, weight_version: str | None = None) -> None:
         """Reload all base weights from the checkpoint directory ``path`` (as the server sees it).
@@ -509,7 +525,8 @@ class SGLangEngine(HTTPEngine):
             tp = tp or int(info.get("tp_size") or 1)
         version = self._version_or_default()
         buckets = _buckets(named_tensors, self.weight_bucket_bytes)
-        session = version >= _SESSION_SINCE
+        # Inside begin/end_weight_update the caller's session brackets every bucket.
+        session = version >= _SESSION_SINCE and not self._session_open
         if session:
             response = yield Call("POST", "/begin_weight_update", json={}, retry=False)
             self._weight_result(response, "/begin_weight_update")
@@ -529,6 +546,18 @@ class SGLangEngine(HTTPEngine):
         if session:
             response = yield Call("POST", "/end_weight_update", json={}, retry=False)
             self._weight_result(response, "/end_weight_update")
+
+    def _session_op(self, begin: bool) -> Operation[None]:
+        if self._version is None:
+            yield from self._server_info_op()
+        if self._version_or_default() < _SESSION_SINCE:
+            return  # older servers have no sessions
+        if begin == self._session_open:
+            return
+        route = "/begin_weight_update" if begin else "/end_weight_update"
+        response = yield Call("POST", route, json={}, retry=False)
+        self._session_open = begin
+        self._weight_result(response, route)
 
     def _update_from_disk_op(self, path: str, weight_version: str | None) -> Operation[None]:
         body: dict[str, Any] = {"model_path": path}

@@ -34,7 +34,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from lorasync._retry import RetryPolicy
-from lorasync.transports._shm import write_segment
+from lorasync.transports._d2h import to_shm_segment
 from lorasync.engines._base import Capabilities
 from lorasync.engines._http import Call, HTTPEngine, Operation, body_json, body_text
 from lorasync.errors import (
@@ -155,6 +155,7 @@ class VLLMEngine(HTTPEngine):
         self.max_rank = max_rank
         self.max_loras = max_loras
         self.same_host = same_host if same_host is not None else urlsplit(self.url).hostname in _LOCAL_HOSTS
+        self._ipc_tokens: dict[str, str] = {}  # adapter name -> token of tensors staged in the workers
 
     # -- public API: each operation written once, driven sync and async ---------------------------
 
@@ -219,7 +220,9 @@ class VLLMEngine(HTTPEngine):
         await self._arun(self._unload(name), adapter=name)
 
     def load_adapter_tensors(self, name: str, adapter: Adapter) -> None:
-        """Load ``adapter`` as ``name`` from shared memory, without files.
+        """Load ``adapter`` as ``name`` without files: through CUDA IPC when its tensors are on one
+        GPU and the server is on this host (the workers copy them out of the trainer's GPU
+        memory), else through shared memory (GPU tensors reach it in one transfer).
 
         Needs the lorasync worker extension (``--worker-extension-cls
         lorasync.engines.vllm_worker.LoraSyncWorkerExtension``) and ``VLLM_SERVER_DEV_MODE=1``;
@@ -427,21 +430,46 @@ class VLLMEngine(HTTPEngine):
             raise ConfigError("adapter name must be a non-empty string")
         token = uuid.uuid4().hex
         config = json.dumps(adapter.config.to_peft().to_dict(), default=sorted)
-        segment = write_segment({k: t.detach().to("cpu") for k, t in adapter.tensors.items()}, {CONFIG_KEY: config})
-        try:
-            spec = json.dumps({"token": token, "shm": segment.name, "nbytes": segment.nbytes})
-            yield from self._rpc("lorasync_stage_adapter", spec, adapter=name)
-        finally:
-            # Every worker copied the tensors out (or failed): the segment is no longer needed.
-            segment.release()
+        staged = False
+        if self.same_host and _one_cuda_device(adapter):
+            staged = yield from self._stage_cuda(name, token, adapter, config)
+        if not staged:
+            # CPU tensors are copied in directly; GPU tensors come over in one transfer per device.
+            segment = to_shm_segment(adapter.tensors, {CONFIG_KEY: config})
+            try:
+                spec = json.dumps({"token": token, "shm": segment.name, "nbytes": segment.nbytes})
+                yield from self._rpc("lorasync_stage_adapter", spec, adapter=name)
+            finally:
+                # Every worker copied the tensors out (or failed): the segment is no longer needed.
+                segment.release()
         try:
             yield from self._load(name, IPC_PREFIX + token, False)
         except BaseException:
             yield from self._rpc("lorasync_release_adapter", token, adapter=name, check=False)
             raise
+        # Released on unload. A restarted client cannot know the token: those tensors stay staged
+        # in the workers until the engine restarts (documented in docs/engines/vllm.md).
+        self._ipc_tokens[name] = token
+
+    def _stage_cuda(self, name: str, token: str, adapter: Adapter, config: str) -> Operation[bool]:
+        """Hand the adapter's GPU tensors to every worker through CUDA IPC; False when some
+        worker cannot map them (no CUDA, another GPU set), after undoing any partial staging."""
+        from lorasync.transports._cuda_ipc import export_tensors
+
+        export = export_tensors(adapter.tensors, {CONFIG_KEY: config})
+        try:
+            spec = json.dumps({"token": token, **export.spec})
+            results = yield from self._rpc("lorasync_stage_adapter_cuda", spec, adapter=name)
+        finally:
+            # Every worker has its own copy (or failed): the trainer's buffer can go.
+            export.release()
+        if results and all(isinstance(r, dict) and r.get("staged") is True for r in results):
+            return True
+        yield from self._rpc("lorasync_release_adapter", token, adapter=name, check=False)
+        return False
 
     def _update_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> Operation[None]:
-        segment = write_segment({k: t.detach().to("cpu") for k, t in named_tensors.items()})
+        segment = to_shm_segment(named_tensors)
         try:
             spec = json.dumps({"shm": segment.name, "nbytes": segment.nbytes})
             yield from self._rpc("lorasync_update_weights", spec, adapter=None)
@@ -478,8 +506,6 @@ class VLLMEngine(HTTPEngine):
     def _unload(self, name: str) -> Operation[None]:
         if not name:
             raise ConfigError("adapter name must be a non-empty string")
-        models = yield Call("GET", MODELS_ROUTE)
-        root = _adapter_roots(models).get(name) or ""
         response = yield Call("POST", UNLOAD_ROUTE, json={"lora_name": name})
         if response.status_code == 200 and not body_text(response).startswith("Success"):
             # Not vLLM's success text: believe the model list (a JSON error or empty 200 from a
@@ -492,9 +518,10 @@ class VLLMEngine(HTTPEngine):
                     **self.error_context(UNLOAD_ROUTE, name, response),
                 )
         if response.status_code == 200:
-            if root.startswith(IPC_PREFIX):
+            token = self._ipc_tokens.pop(name, None)
+            if token is not None:
                 # Tensors staged in the workers for this name are no longer reachable by requests.
-                yield from self._rpc("lorasync_release_adapter", root[len(IPC_PREFIX) :], adapter=name, check=False)
+                yield from self._rpc("lorasync_release_adapter", token, adapter=name, check=False)
             return
         if _route_missing(response):
             raise self._disabled(response, UNLOAD_ROUTE, name)
@@ -643,6 +670,12 @@ class VLLMEngine(HTTPEngine):
 
 
 # -- helpers: reading vLLM's bodies --------------------------------------------------------------
+
+
+def _one_cuda_device(adapter: Adapter) -> bool:
+    """All of the adapter's tensors on one CUDA device (what one CUDA IPC share can carry)."""
+    devices = {t.device for t in adapter.tensors.values()}
+    return len(devices) == 1 and next(iter(devices)).type == "cuda"
 
 
 def _dig(value: Any, *keys: str | int) -> Any:

@@ -1,4 +1,4 @@
-"""vLLM worker extension: adapters and base weights from shared memory, no files.
+"""vLLM worker extension: adapters and base weights from shared memory or CUDA IPC, no files.
 
 Start vLLM with ``--worker-extension-cls lorasync.engines.vllm_worker.LoraSyncWorkerExtension``
 and ``VLLM_SERVER_DEV_MODE=1`` (for ``/collective_rpc``); lorasync must be importable by the
@@ -17,6 +17,12 @@ Adapter flow (driven by ``VLLMEngine.load_adapter_tensors``):
    ``lorasync_release_adapter(token)``. Staged tensors stay until then because vLLM may evict and
    re-load the adapter from its "path" at any time.
 
+When the trainer's adapter lives on a GPU of this host, step 1-2 are instead
+``collective_rpc("lorasync_stage_adapter_cuda", spec)``: every worker maps the trainer's packed
+GPU buffer through a CUDA IPC handle (encoded as JSON, no pickle), copies it into its own GPU
+memory and returns; lorasync then frees the buffer. A worker that cannot map it (no CUDA, the GPU
+not visible) answers ``staged: False`` and lorasync falls back to shared memory.
+
 Tested against vLLM 0.32 (``WorkerLoRAManager._load_adapter``); other versions may differ.
 """
 
@@ -29,6 +35,8 @@ from typing import Any
 
 import torch
 
+from lorasync.transports._cuda_ipc import CudaIpcUnavailable, import_tensors
+from lorasync.transports._d2h import serialize
 from lorasync.transports._shm import read_segment
 
 __all__ = ["IPC_PREFIX", "LoraSyncWorkerExtension"]
@@ -52,15 +60,30 @@ class LoraSyncWorkerExtension:
         ``spec_json``: ``{"token": str, "shm": segment name, "nbytes": int}``.
         """
         spec = json.loads(spec_json)
-        token = str(spec["token"])
-        if "/" in token or not token:
-            raise ValueError(f"bad lorasync token {token!r}")
+        token = _token(spec)
         tensors, metadata = read_segment(str(spec["shm"]), int(spec["nbytes"]))
-        config = json.loads(metadata[CONFIG_KEY])
-        _install_loader(self)
-        with _LOCK:
-            _STAGED[token] = (tensors, config)
-        return {"token": token, "tensors": len(tensors)}
+        return _stage(self, token, tensors, metadata)
+
+    def lorasync_stage_adapter_cuda(self, spec_json: str) -> dict[str, Any]:
+        """Copy an adapter out of the trainer's GPU memory (CUDA IPC) and make its IPC path loadable.
+
+        ``spec_json``: ``{"token": str, **CudaExport.spec}``. Answers ``{"staged": True, ...}``
+        once the tensors are in this worker's own memory (the trainer may then free its
+        buffer), or ``{"staged": False, "reason": ...}`` when this worker cannot map the
+        trainer's GPU, so the caller falls back to shared memory.
+
+        vLLM 0.32 builds adapters in host memory (its LoRA cache lives there and is copied into
+        GPU slots on use), so the worker's GPU copy is moved to host memory in one transfer
+        before answering, instead of vLLM moving it one tensor (and one GPU wait) at a time.
+        """
+        spec = json.loads(spec_json)
+        token = _token(spec)
+        device = getattr(self, "device", None)
+        try:
+            tensors, metadata = import_tensors(spec, device=device if _is_cuda(device) else None)
+        except CudaIpcUnavailable as exc:
+            return {"token": token, "staged": False, "reason": str(exc)}
+        return _stage(self, token, serialize(tensors).tensors, metadata)
 
     def lorasync_release_adapter(self, token: str) -> bool:
         with _LOCK:
@@ -81,6 +104,27 @@ class LoraSyncWorkerExtension:
         # resets LoRA state derived from the old weights.
         self.model_runner.reload_weights(weights_iterator=iter(tensors.items()), is_checkpoint_format=True)  # type: ignore[attr-defined]
         return {"updated": len(tensors)}
+
+
+def _token(spec: Any) -> str:
+    token = str(spec["token"]) if isinstance(spec, dict) and "token" in spec else ""
+    if "/" in token or not token:
+        raise ValueError(f"bad lorasync token {token!r}")
+    return token
+
+
+def _is_cuda(device: Any) -> bool:
+    return isinstance(device, torch.device) and device.type == "cuda"
+
+
+def _stage(worker: Any, token: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> dict[str, Any]:
+    if CONFIG_KEY not in metadata:
+        raise ValueError(f"staged adapter {token} carries no {CONFIG_KEY}")
+    config = json.loads(metadata[CONFIG_KEY])
+    _install_loader(worker)
+    with _LOCK:
+        _STAGED[token] = (tensors, config)
+    return {"token": token, "tensors": len(tensors), "staged": True}
 
 
 def _install_loader(worker: Any) -> None:

@@ -8,6 +8,7 @@ scale differences into lora_B so one global ``lora_alpha / r`` is exact on every
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping
 
 import torch
@@ -15,7 +16,7 @@ import torch
 from lorasync._adapter import Adapter
 from lorasync._config import AdapterConfig
 from lorasync._keys import parse_peft_key, peft_key
-from lorasync.errors import PaddedRankError, ShapeMismatchError
+from lorasync.errors import ConfigError, PaddedRankError, ShapeMismatchError
 
 __all__ = ["normalize_scaling", "trim_rank", "trim_tensor"]
 
@@ -65,11 +66,21 @@ def trim_rank(
 
     Raises:
         PaddedRankError: non-zero padding.
+        ConfigError: a per-module ``rank`` mapping lacks one of the modules.
     """
     out: dict[str, torch.Tensor] = {}
     for key, tensor in tensors.items():
         module, side = parse_peft_key(key)
-        r = rank if isinstance(rank, int) else rank[module]
+        if isinstance(rank, int):
+            r = rank
+        elif module in rank:
+            r = rank[module]
+        else:
+            raise ConfigError(
+                f"no rank given for {module}; the rank mapping must cover every exported module "
+                f"(it has {len(rank)} entries), or pass one int",
+                key=key,
+            )
         out[key] = trim_tensor(tensor, side, r, name=module)
     return out
 
@@ -79,28 +90,52 @@ def normalize_scaling(adapter: Adapter) -> Adapter:
 
     PEFT honours ``rank_pattern``/``alpha_pattern``/``use_rslora``; vLLM applies one
     ``lora_alpha / r`` (or rsLoRA) scale and SGLang ignores all three. The result has
-    ``use_rslora=False``, scale 1 on every module (``lora_alpha = r``, and for modules whose
-    rank differs ``alpha_pattern[m] = rank_pattern[m] = r_m``, which PEFT needs to build the
-    right shapes) and ``B_m · scale_m``, so ΔW is unchanged under PEFT and every engine.
+    ``use_rslora=False`` and one global scale ``g = lora_alpha / r`` on every module: modules
+    whose rank differs get ``rank_pattern[m] = r_m`` (PEFT needs it to build the right shapes)
+    and ``alpha_pattern[m] = g · r_m``. ``g`` is the scale most modules already have, so only
+    modules whose scale differs get ``B_m · scale_m / g`` (rescaling rounds each element of B
+    in its dtype; an all-rsLoRA adapter keeps B bit for bit). ΔW is unchanged under PEFT and
+    every engine.
+
+    Args:
+        adapter (`Adapter`): any adapter; returned as is when already engine-safe.
+
+    Returns:
+        `Adapter`: an adapter with ``engine_safe_scaling`` true.
     """
     config = adapter.config
     if adapter.engine_safe_scaling:
         return adapter
     ranks = {m: config.rank_for(m) for m in adapter.modules}
+    scales = {m: config.scale_for(m) for m in adapter.modules}
     r = max(ranks.values())
-    odd = {m: rank for m, rank in ranks.items() if rank != r}
-    new_config = AdapterConfig(
-        r=r,
-        lora_alpha=float(r),
-        target_modules=config.target_modules,
-        base_model_name_or_path=config.base_model_name_or_path,
-        rank_pattern=odd,
-        alpha_pattern={m: float(rank) for m, rank in odd.items()},
-    )
+    # Modules are sorted, so ties between equally common scales resolve deterministically.
+    common = Counter(scales.values()).most_common(1)[0][0]
+    # g · r_m / r_m must give back g exactly; 1.0 always does (alpha_m = r_m).
+    new_config = _uniform_config(config, ranks, r, common) or _uniform_config(config, ranks, r, 1.0)
+    assert new_config is not None  # scale 1 is exact by construction
+    scale = new_config.global_scale
     tensors: dict[str, torch.Tensor] = {}
     for module in adapter.modules:
         a, b = adapter.pair(module)
-        ratio = config.scale_for(module)  # the new scale is exactly 1
         tensors[peft_key(module, "A")] = a
-        tensors[peft_key(module, "B")] = (b.double() * ratio).to(b.dtype)
+        if scales[module] != scale:
+            b = (b.double() * (scales[module] / scale)).to(b.dtype)
+        tensors[peft_key(module, "B")] = b
     return Adapter(tensors, new_config)
+
+
+def _uniform_config(config: AdapterConfig, ranks: Mapping[str, int], r: int, scale: float) -> AdapterConfig | None:
+    """A config whose every module has exactly ``scale`` (PEFT's alpha/r), or None when float
+    rounding makes some ``alpha_m / r_m`` miss it."""
+    odd = {m: rank for m, rank in ranks.items() if rank != r}
+    candidate = AdapterConfig(
+        r=r,
+        lora_alpha=scale * r,
+        target_modules=config.target_modules,
+        base_model_name_or_path=config.base_model_name_or_path,
+        rank_pattern=odd,
+        alpha_pattern={m: scale * rank for m, rank in odd.items()},
+    )
+    exact = candidate.global_scale == scale and all(candidate.scale_for(m) == scale for m in ranks)
+    return candidate if exact else None

@@ -18,7 +18,7 @@ from torch import nn
 
 from lorasync._adapter import Adapter
 from lorasync._config import AdapterConfig
-from lorasync._keys import normalize_trainer_key, parse_peft_key, peft_key
+from lorasync._keys import normalize_trainer_key, peft_key
 from lorasync.errors import ConfigError, ExportError, UnknownAdapterNameError
 from lorasync.exporters._rank import trim_rank
 
@@ -45,8 +45,9 @@ def export(
         adapter_name (`str`, defaults to ``"default"``): the PEFT adapter to export; other
             adapters' weights are never included.
         rank (`int` or per-module `Mapping`, *optional*): the real rank. Padding beyond it is
-            trimmed after proving it is zero. Defaults to the PEFT config's ``r`` (model) or the
-            tensors' own rank (mapping).
+            trimmed after proving it is zero. A mapping (module path → rank) must cover every
+            exported module; its largest value becomes ``r`` and the others ``rank_pattern``.
+            Defaults to the PEFT config's ``r`` (model) or the tensors' own rank (mapping).
         alpha (`float`, *optional*): ``lora_alpha``; required for a mapping without ``config``.
         config (`AdapterConfig`, *optional*): explicit config; wins over the model's PEFT config.
         dtype (`torch.dtype`, *optional*): cast the exported tensors.
@@ -76,18 +77,27 @@ def export(
             adapter=adapter_name,
         )
 
-    base = config or (_resolve_patterns(AdapterConfig.from_peft(peft_cfg), peft_cfg, raw) if peft_cfg is not None else None)
+    if isinstance(rank, Mapping) and not rank:
+        raise ConfigError("rank= is an empty mapping; pass one int or a rank for every module")
+    base = config or (AdapterConfig.from_peft(peft_cfg) if peft_cfg is not None else None)
     if base is None:
         if alpha is None:
             raise ConfigError("exporting from a state dict needs alpha= (lora_alpha) or config=")
-        widths = [t.shape[0] for k, t in raw.items() if k.endswith("lora_A.weight") and t.dim() == 2]
-        # No usable lora_A at all: validation below names what is missing or malformed.
-        real = rank if isinstance(rank, int) else max(widths, default=1)
+        # The tensors' own rank: A's rows (B's columns when A is missing). Malformed tensors get
+        # a placeholder here; validation below names what is wrong with them.
+        ranks = [t.shape[-2] for k, t in raw.items() if k.endswith(".lora_A.weight") and t.dim() >= 2]
+        ranks = ranks or [t.shape[-1] for t in raw.values() if t.dim() >= 1]
+        real = rank if isinstance(rank, int) else max(ranks, default=1)
         base = AdapterConfig(r=real, lora_alpha=alpha)
     # Derived from what is exported, never from a pattern like "all-linear".
     changes: dict[str, Any] = {"target_modules": ()}
     if isinstance(rank, int):
         changes["r"] = rank
+    elif rank is not None:
+        # Per-module real ranks: the largest is r, the others become PEFT rank_pattern entries.
+        top = max(rank.values())
+        changes["r"] = top
+        changes["rank_pattern"] = {m: v for m, v in rank.items() if v != top}
     if alpha is not None:
         changes["lora_alpha"] = alpha
     if base_model_name_or_path is not None:
@@ -125,31 +135,6 @@ def _collect(items: Any, adapter_name: str) -> dict[str, torch.Tensor]:
             )
         out[key], source[key] = tensor, name
     return out
-
-
-def _resolve_patterns(config: AdapterConfig, peft_cfg: Any, tensors: Mapping[str, torch.Tensor]) -> AdapterConfig:
-    """Each module's rank and alpha as the trainer's PEFT model uses them, keyed by full path.
-
-    PEFT applies the *first* ``rank_pattern``/``alpha_pattern`` key (in the config's own order)
-    that matches a module, but its ``save_pretrained`` writes the keys sorted, so overlapping
-    keys (``q_proj`` and ``layers.0.q_proj``) can mean another value once copied or saved.
-    Per-module keys match one module each, so their order no longer matters.
-    """
-    from peft.utils.other import get_pattern_key
-
-    ranks = dict(getattr(peft_cfg, "rank_pattern", None) or {})
-    alphas = dict(getattr(peft_cfg, "alpha_pattern", None) or {})
-    if not ranks and not alphas:
-        return config
-    rank_pattern, alpha_pattern = {}, {}
-    for module in sorted({parse_peft_key(k)[0] for k in tensors}):
-        rank = ranks.get(get_pattern_key(list(ranks), module), config.r)
-        alpha = alphas.get(get_pattern_key(list(alphas), module), config.lora_alpha)
-        if rank != config.r:
-            rank_pattern[module] = rank
-        if alpha != config.lora_alpha:
-            alpha_pattern[module] = alpha
-    return config.with_(rank_pattern=rank_pattern, alpha_pattern=alpha_pattern)
 
 
 def _adapter_names(source: Any) -> set[str]:

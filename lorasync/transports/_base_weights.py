@@ -17,6 +17,8 @@ from lorasync.errors import ConfigError, StorageError
 
 __all__ = ["BaseWeights"]
 
+_ITEMSIZE = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "F16": 2, "BF16": 2, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+
 
 class BaseWeights:
     """Name → pristine tensor, from a HF checkpoint directory (safetensors) or from tensors.
@@ -68,6 +70,23 @@ class BaseWeights:
 
     def __contains__(self, name: object) -> bool:
         return name in self._tensors or name in self._files
+
+    def nbytes(self, name: str) -> int:
+        """Size of parameter ``name`` in bytes, read from the header (no tensor data loaded)."""
+        if name in self._tensors:
+            t = self._tensors[name]
+            return t.numel() * t.element_size()
+        file = self._files.get(name)
+        if file is None:
+            self.get(name)  # raises the ConfigError naming the parameter
+        from safetensors import safe_open
+
+        with safe_open(str(file), framework="pt") as f:
+            sl = f.get_slice(name)
+            count = 1
+            for d in sl.get_shape():
+                count *= d
+            return count * _ITEMSIZE.get(str(sl.get_dtype()).upper(), 4)
 
     def get(self, name: str) -> torch.Tensor:
         """The pristine tensor ``name`` (a private copy for files, the given tensor otherwise).

@@ -12,15 +12,33 @@ from lorasync.transports._base_weights import BaseWeights
 __all__ = ["fold_buckets", "fold_module"]
 
 
-def fold_module(adapter: Adapter, module: str, base: BaseWeights, *, device: str | torch.device | None = None) -> torch.Tensor:
-    """``W0 + scale·B·A`` for ``module`` in W0's dtype, computed in float32 (on ``device``)."""
+def fold_module(
+    adapter: Adapter, module: str, base: BaseWeights, *, device: str | torch.device | None = None, block_bytes: int = 32 << 20
+) -> torch.Tensor:
+    """``W0 + scale·B·A`` for ``module`` in W0's dtype, computed in float32 and rounded once, on
+    ``device`` (default: where W0 is); the result stays there.
+
+    W0 travels to ``device`` alone and in its own dtype. The rank-r product is formed in float32
+    in row blocks of at most ``block_bytes`` and added to W0 by one elementwise pass that writes
+    the result in W0's dtype, so the extra memory is one float32 block, never a float32 copy of
+    the weight. (cuBLAS's fused 16-bit ``addmm`` would round ``s·B·A`` to 16 bits before adding
+    it, which loses precision where W0 and the delta cancel.)
+    """
     w0 = base.get(f"{module}.weight")
     a, b = adapter.pair(module)
-    dev = device if device is not None else w0.device
-    acc = w0.to(device=dev, dtype=torch.float32, copy=True)
-    # addmm_ in place: one float32 buffer per module, no separate delta tensor.
-    acc.addmm_(b.to(device=dev, dtype=torch.float32), a.to(device=dev, dtype=torch.float32), alpha=adapter.config.scale_for(module))
-    return acc.to(w0.dtype)
+    dev = torch.device(device) if device is not None else w0.device
+    w0 = w0.to(device=dev, non_blocking=True)
+    a32 = a.to(device=dev, dtype=torch.float32)
+    b32 = b.to(device=dev, dtype=torch.float32)
+    scale = adapter.config.scale_for(module)
+    out = torch.empty_like(w0)
+    rows = max(1, block_bytes // (4 * max(1, w0.shape[1])))
+    for start in range(0, w0.shape[0], rows):
+        stop = min(start + rows, w0.shape[0])
+        delta = torch.mm(b32[start:stop], a32)
+        # Float32 arithmetic (type promotion), written straight into W0's dtype.
+        torch.add(w0[start:stop], delta, alpha=scale, out=out[start:stop])
+    return out
 
 
 def _units(modules: Iterable[str], fused: Sequence[Sequence[str]]) -> list[list[str]]:
@@ -57,6 +75,12 @@ def fold_buckets(
     bucket: dict[str, torch.Tensor] = {}
     size = 0
     for unit in _units(touched | set(restore), fused):
+        # Flush before folding when the unit would overflow the bucket: peak stays ~1 bucket
+        # plus one unit, never two full buckets plus a unit.
+        unit_bytes = sum(base.nbytes(f"{m}.weight") for m in unit)
+        if bucket and size + unit_bytes > bucket_bytes:
+            yield bucket
+            bucket, size = {}, 0
         weights = {}
         for module in unit:
             name = f"{module}.weight"
@@ -64,11 +88,7 @@ def fold_buckets(
                 weights[name] = fold_module(adapter, module, base, device=device)
             else:
                 weights[name] = base.get(name)
-        nbytes = sum(w.numel() * w.element_size() for w in weights.values())
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = {}, 0
         bucket.update(weights)
-        size += nbytes
+        size += unit_bytes
     if bucket:
         yield bucket

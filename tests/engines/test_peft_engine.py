@@ -138,6 +138,7 @@ def test_capabilities_state_everything_and_the_limits(tiny_model_dir: Path) -> N
         tensor_load=True,
         weight_update=True,
         same_host=True,
+        in_process=True,
     )
 
 

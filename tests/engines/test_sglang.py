@@ -463,3 +463,25 @@ def test_publisher_serves_trained_weights_on_sglang(transport: str, engine: SGLa
         assert outputs[-1] == list(probe.expected_ids)
     assert outputs[0] != outputs[1]
     assert engine.list_adapters() == ["pol@v2"]
+
+
+def test_merged_publish_on_sglang_is_one_session(engine: SGLangEngine, peer: Peer, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The merged fallback folds from the pristine base and brackets every bucket in ONE
+    weight-update session, so no request sees half an update."""
+    from transformers import AutoModelForCausalLM
+
+    from lorasync import Probe, Publisher
+    from lorasync.exporters.fsdp import export
+
+    model = make_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), seed=71, targets=("q_proj", "k_proj", "v_proj", "down_proj"))
+    pub = Publisher([engine], name="m", transport="merged", root=tmp_path, base=tiny_model_dir, bucket_bytes=1 << 18)
+    try:
+        report = pub.publish(export(model), version=1)
+        assert report.ok, report
+        calls = [path for _, path in peer.calls() if "weight" in path]
+        assert calls[0] == "/begin_weight_update" and calls[-1] == "/end_weight_update"
+        assert calls.count("/begin_weight_update") == 1 and calls.count("/update_weights_from_tensor") > 1
+        expected = Probe.from_model(model, [5, 17, 99, 230], max_tokens=4).expected_ids
+        assert engine.greedy(None, [5, 17, 99, 230], 4)[0] == list(expected)
+    finally:
+        pub.restore_base()

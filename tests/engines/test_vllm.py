@@ -98,8 +98,11 @@ def test_capabilities_read_from_the_dev_mode_server(engine: VLLMEngine) -> None:
     assert "vllm 0.32.0" in caps.notes
 
 
-def test_worker_extension_hook_is_false_without_the_extension(engine: VLLMEngine, vllm_server: Any) -> None:
-    # The real server answers 500 (no such worker method); the hook says False and the server lives on.
+def test_worker_extension_hook(engine: VLLMEngine, vllm_server: Any) -> None:
+    # The session server loads lorasync's extension: every worker answers the probe.
+    assert engine._run(engine._has_worker_extension()) is True
+    # A method the workers lack: the real server answers 500, the hook says False, the server lives on.
+    engine.worker_extension_probe = "lorasync_no_such_method"  # type: ignore[misc]
     assert engine._run(engine._has_worker_extension()) is False
     assert httpx.get(f"{vllm_server.url}/health").status_code == 200
 

@@ -174,6 +174,9 @@ def check_fsdp_state_dict(case: dict[str, Any]) -> None:
         a, b = sd[key_a], sd[key_b]  # what the input holds (a missing key would have to fail)
         if cast is not None:
             a, b = a.to(cast), b.to(cast)
+        if rank_arg is not None:  # the contract: factors are cut to rank= only where they are zero
+            assert not a[rank_arg:].any() and not b[:, rank_arg:].any(), f"{module}: non-zero padding dropped"
+            a, b = a[:rank_arg], b[:, :rank_arg]
         want = scale * (b.double() @ a.double())
         same_delta(adapter.delta(module, torch.float64), want, exact=True, what=module)
 

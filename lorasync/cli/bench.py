@@ -1,0 +1,95 @@
+"""``lorasync bench [NAME ...]``: measure lorasync on your own model shapes.
+
+Benchmarks: ``bytes`` (adapter vs merged payload), ``publish`` (disk publish and IPC handoff vs
+raw-write, PEFT-save and memcpy floors), ``vllm`` (publish → first completion on a real vLLM),
+``fanout`` (1–8 engines), ``fold`` (merged-fold peak memory vs bucket size). Without NAME all
+run. Each prints a markdown table and writes ``NAME.json``, ``NAME.md`` and ``NAME.png`` under
+``--out``. The suite lives in the source tree (``benchmarks/`` next to ``lorasync/``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from pathlib import Path
+from typing import Any
+
+from lorasync.errors import ConfigError
+
+__all__ = ["BENCHMARKS", "add_arguments", "register"]
+
+BENCHMARKS = ("bytes", "publish", "vllm", "fanout", "fold")
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("bench", help="run the benchmark suite (bytes, publish, vllm, fanout, fold)", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    p.set_defaults(func=_main)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The bench options (shared by ``lorasync bench`` and ``python -m benchmarks``)."""
+    p.add_argument("names", nargs="*", metavar="NAME", help=f"benchmarks to run: {', '.join(BENCHMARKS)} (default: all)")
+    p.add_argument("--quick", action="store_true", help="reduced sizes and repeats (all benchmarks in a few minutes)")
+    p.add_argument("--out", type=Path, default=Path("bench-out"), metavar="DIR", help="where JSON, markdown and PNG files go (default ./bench-out)")
+    p.add_argument("--shape", action="append", default=[], metavar="NAME_OR_CONFIG", help="model shape: a shipped name (qwen3-8b, llama-3.1-70b, ...), a config.json or a model directory (repeatable)")
+    p.add_argument("--rank", action="append", default=[], type=_ints, metavar="R[,R...]", help="LoRA ranks (repeatable or comma-separated)")
+    p.add_argument("--scope", metavar="SCOPE", help="'all-linear', 'attention' or leaf names like q_proj,v_proj")
+    p.add_argument("--engines", action="append", default=[], type=_ints, metavar="N[,N...]", help="fan-out sizes (default 1,2,4,8)")
+    p.add_argument("--bucket-mb", action="append", default=[], type=_ints, metavar="MB[,MB...]", help="merged-fold bucket sizes in MB")
+    p.add_argument("--layers", type=int, metavar="N", help="layers of synthetic base weights for the fold benchmark")
+    p.add_argument("--repeats", type=int, metavar="N", help="timed repeats per measurement (median reported)")
+    p.add_argument("--warmup", type=int, metavar="N", help="untimed warm-up runs per measurement")
+    p.add_argument("--root", type=Path, metavar="DIR", help="directory on tmpfs for disk transports (default /dev/shm)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--no-plot", action="store_true", help="write no PNG files")
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers like 8 or 8,16,32, got {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _import_suite() -> Any:
+    """``benchmarks._runner``; the suite sits next to the ``lorasync`` package in a checkout."""
+    try:
+        return importlib.import_module("benchmarks._runner")
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("benchmarks", "benchmarks._runner"):
+            raise
+    import lorasync
+
+    checkout = Path(lorasync.__file__).resolve().parent.parent
+    if not (checkout / "benchmarks" / "_runner.py").is_file():
+        raise ConfigError("the benchmark suite ships with lorasync's source tree; run `lorasync bench` from a checkout (git clone, then pip install -e '.[bench]')")
+    sys.path.insert(0, str(checkout))
+    return importlib.import_module("benchmarks._runner")
+
+
+def _main(args: argparse.Namespace) -> int:
+    unknown = [n for n in args.names if n not in BENCHMARKS]
+    if unknown:
+        raise ConfigError(f"unknown benchmark {', '.join(unknown)}; choose from {', '.join(BENCHMARKS)}")
+    runner = _import_suite()
+    opts = runner.Options(
+        quick=args.quick,
+        out=args.out,
+        repeats=args.repeats,
+        warmup=args.warmup,
+        shapes=list(args.shape),
+        ranks=[r for group in args.rank for r in group],
+        scope=args.scope,
+        engines=[n for group in args.engines for n in group],
+        buckets_mb=[n for group in args.bucket_mb for n in group],
+        layers=args.layers,
+        root=args.root,
+        progress=not args.no_progress,
+        plot=not args.no_plot,
+    )
+    return int(runner.run_all(list(args.names) or list(BENCHMARKS), opts))

@@ -1,0 +1,119 @@
+"""CUDA IPC handoff to a second process: bit-exact, its own copy, the producer's memory freed,
+and the vLLM client choosing it (with the shared-memory fallback) end to end."""
+
+from __future__ import annotations
+
+import gc
+import json
+
+import httpx
+import torch
+from _gpu_helpers import adapter_on_gpu, digest
+
+from lorasync.engines.vllm import CONFIG_KEY, IPC_PREFIX, VLLMEngine
+from lorasync.transports._cuda_ipc import export_tensors
+
+
+def test_second_process_rebuilds_bit_exact_and_owns_its_copy(consumer) -> None:
+    gpu = adapter_on_gpu(layers=4, seed=10)
+    expected = digest(gpu.tensors)
+    gc.collect()
+    torch.cuda.synchronize()
+    baseline = torch.cuda.memory_allocated()
+    export = export_tensors(gpu.tensors, {CONFIG_KEY: json.dumps({"r": 8})})
+    assert torch.cuda.memory_allocated() > baseline
+    answer = consumer.ask(op="stage_cuda", arg=json.dumps({"token": "t1", **export.spec}))
+    assert answer["staged"] is True and answer["tensors"] == len(gpu.tensors)
+    assert answer["hashes"] == expected
+    assert answer["devices"] == ["cpu"]  # vLLM 0.32 builds adapters in host memory
+    export.release()
+    # Released means freed, not parked in torch's IPC limbo waiting for a count that never drops.
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() <= baseline
+    # Reuse the freed memory and change the source: the consumer's copy must not move.
+    junk = torch.full((export.nbytes,), 0xAB, dtype=torch.uint8, device="cuda")
+    for t in gpu.tensors.values():
+        t.zero_()
+    torch.cuda.synchronize()
+    assert consumer.ask(op="hashes", token="t1")["hashes"] == expected
+    assert consumer.ask(op="release", token="t1")["released"] is True
+    del junk
+
+
+def test_import_tensors_lands_on_the_gpu_bit_exact(consumer) -> None:
+    g = torch.Generator(device="cuda").manual_seed(11)
+    tensors = {
+        "a": torch.randn(64, 32, device="cuda", generator=g),
+        "b": torch.randn(7, 3, device="cuda", generator=g).to(torch.bfloat16),
+        "strided": torch.randn(8, 16, device="cuda", generator=g)[:, ::2],
+    }
+    expected = digest(tensors)
+    with export_tensors(tensors) as export:
+        answer = consumer.ask(op="import", arg=json.dumps(export.spec))
+    assert answer["hashes"] == expected and answer["devices"] == ["cuda"]
+
+
+def test_consumer_sees_work_queued_before_export(consumer) -> None:
+    t = torch.zeros(1 << 20, device="cuda")
+    torch.cuda._sleep(200_000_000)
+    t.fill_(3.0)
+    with export_tensors({"t": t}) as export:  # no synchronisation on the producer side
+        answer = consumer.ask(op="import", arg=json.dumps(export.spec))
+    assert answer["hashes"] == digest({"t": torch.full((1 << 20,), 3.0)})
+
+
+def test_worker_without_the_gpu_declines(cpu_consumer) -> None:
+    gpu = adapter_on_gpu(layers=1, seed=12)
+    with export_tensors(gpu.tensors, {CONFIG_KEY: "{}"}) as export:
+        answer = cpu_consumer.ask(op="stage_cuda", arg=json.dumps({"token": "t2", **export.spec}))
+    assert answer["staged"] is False and "CUDA" in answer["reason"]
+
+
+def _engine_routed_to(consumer, calls: list[str], memory: list[int], staged: list[dict]) -> VLLMEngine:
+    """A VLLMEngine whose /collective_rpc calls run in ``consumer`` (the worker side) and whose
+    load route accepts the IPC path; records the worker methods called and the producer's GPU
+    memory in use when the load request arrives."""
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content or b"{}")
+        if request.url.path == "/collective_rpc":
+            method, arg = body["method"], body["args"][0]
+            calls.append(method)
+            if method in ("lorasync_stage_adapter_cuda", "lorasync_stage_adapter"):
+                answer = consumer.ask(op="stage_cuda" if method.endswith("cuda") else "stage_shm", arg=arg)
+                staged.append(answer)
+                return httpx.Response(200, json={"results": [answer]})
+            if method == "lorasync_release_adapter":
+                return httpx.Response(200, json={"results": [consumer.ask(op="release", token=arg)["released"]]})
+        if request.url.path == "/v1/load_lora_adapter":
+            torch.cuda.synchronize()
+            memory.append(torch.cuda.memory_allocated())
+            assert body["lora_path"].startswith(IPC_PREFIX)
+            return httpx.Response(200, text="ok")
+        return httpx.Response(404, json={"detail": "Not Found"})
+
+    transport = httpx.MockTransport(handler)
+    return VLLMEngine("http://127.0.0.1:8000", transport=transport, async_transport=transport)
+
+
+def test_vllm_client_hands_gpu_adapters_over_cuda_ipc(consumer) -> None:
+    gpu = adapter_on_gpu(layers=2, seed=13)
+    gc.collect()  # earlier tests' tensors must not be freed mid-test
+    torch.cuda.synchronize()
+    baseline = torch.cuda.memory_allocated()
+    calls: list[str] = []
+    memory: list[int] = []
+    staged: list[dict] = []
+    _engine_routed_to(consumer, calls, memory, staged).load_adapter_tensors("p@v1", gpu)
+    assert calls == ["lorasync_stage_adapter_cuda"]
+    assert staged[0]["hashes"] == digest(gpu.tensors)
+    assert memory[0] <= baseline  # the packed buffer (~1.6 MB) was freed once the worker confirmed
+
+
+def test_vllm_client_falls_back_to_shared_memory(cpu_consumer) -> None:
+    gpu = adapter_on_gpu(layers=2, seed=14)
+    calls: list[str] = []
+    staged: list[dict] = []
+    _engine_routed_to(cpu_consumer, calls, [], staged).load_adapter_tensors("p@v1", gpu)
+    assert calls == ["lorasync_stage_adapter_cuda", "lorasync_release_adapter", "lorasync_stage_adapter"]
+    assert staged[0]["staged"] is False and staged[1]["hashes"] == digest(gpu.tensors)

@@ -1,0 +1,71 @@
+"""Device-to-host export: bit-exact, a valid safetensors file, ordered after the caller's GPU work."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load, load_file
+
+from _gpu_helpers import adapter_on_gpu
+
+from lorasync import Adapter
+from lorasync.transports._d2h import serialize, to_host, to_shm_segment
+from lorasync.transports._shm import read_segment
+
+
+@pytest.mark.parametrize("chunk_bytes", [0, 4096, 1 << 28])
+def test_serialize_is_bit_exact_and_a_safetensors_file(chunk_bytes: int) -> None:
+    g = torch.Generator(device="cuda").manual_seed(1)
+    tensors = {
+        "f32": torch.randn(33, 17, device="cuda", generator=g),
+        "bf16": torch.randn(5, 7, device="cuda", generator=g).to(torch.bfloat16),
+        "transposed": torch.randn(16, 48, device="cuda", generator=g).t(),  # not contiguous
+        "cpu_f16": torch.randn(9, generator=torch.Generator().manual_seed(2)).half(),
+        "i8": torch.randint(-100, 100, (3, 3), device="cuda", generator=g, dtype=torch.int8),
+        "empty": torch.zeros(0, 4, device="cuda"),
+    }
+    buf = serialize(tensors, {"k": "v"}, chunk_bytes=chunk_bytes)
+    assert buf.data.is_pinned()
+    parsed = load(bytes(buf.data.numpy()))
+    for key, t in tensors.items():
+        ref = t.cpu()
+        assert buf.tensors[key].device.type == "cpu"
+        assert buf.tensors[key].dtype == ref.dtype and torch.equal(buf.tensors[key], ref), key
+        assert torch.equal(parsed[key], ref), key
+
+
+def test_serialize_waits_for_work_queued_before_it() -> None:
+    t = torch.zeros(1 << 20, device="cuda")
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time ahead of the fill on the same stream
+    t.fill_(7.0)
+    buf = serialize({"t": t})
+    assert bool((buf.tensors["t"] == 7.0).all())
+
+
+def test_to_host_keeps_content_and_hash(tmp_path) -> None:
+    gpu = adapter_on_gpu()
+    host = to_host(gpu)
+    assert all(t.device.type == "cpu" for t in host.tensors.values())
+    assert host.content_hash == gpu.content_hash
+    assert list(host.tensors) == list(gpu.tensors)
+    for key, t in gpu.tensors.items():
+        assert torch.equal(host.tensors[key], t.cpu())
+    assert to_host(host) is host
+
+
+def test_save_of_gpu_adapter_loads_back_exactly(tmp_path) -> None:
+    gpu = adapter_on_gpu(seed=3)
+    path = gpu.save(tmp_path / "a")
+    raw = load_file(str(path / "adapter_model.safetensors"))
+    assert set(raw) == set(gpu.tensors)
+    loaded = Adapter.load(path)
+    assert loaded.content_hash == gpu.content_hash
+
+
+def test_shared_memory_segment_from_gpu_tensors() -> None:
+    gpu = adapter_on_gpu(layers=1, seed=4)
+    with to_shm_segment(gpu.tensors, {"m": "1"}) as seg:
+        out, meta = read_segment(seg.name, seg.nbytes)
+    assert meta == {"m": "1"}
+    for key, t in gpu.tensors.items():
+        assert torch.equal(out[key], t.cpu())
