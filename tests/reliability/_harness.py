@@ -156,17 +156,17 @@ def expected(case: FaultCase) -> tuple[str, str | None, int, list[int]]:
         if f == "json200err":
             return "failed", "EngineProtocolError" if p == "vllm" else "AdapterRejectedError", 1, [1]
         return "failed", "EngineError" if p == "vllm" else "AdapterRejectedError", 1, [1]  # 500 (SGLang's envelope)
-    if ph == "models":  # read by the post-load check, vLLM's unload lookup and file collection
+    if ph == "models":  # read by the post-load check and by file collection
         if f in RETRYABLE:
             if once:
                 if f == "restart":  # the engine forgot v2 right after loading it
                     return "failed", "EngineError", 2, []
-                return "loaded", None, 4 if p == "vllm" else 3, [2]
+                return "loaded", None, 3, [2]
             if f == "restart":
                 return "failed", "EngineUnavailableError", ATTEMPTS, []
             return "failed", "EngineTimeoutError" if f == "hang" else "EngineUnavailableError", ATTEMPTS, [1, 2]
         if f == "restart_after":  # the list answered {v1, v2}, then the engine came back empty
-            return "loaded", None, 3 if p == "vllm" else 2, []
+            return "loaded", None, 2, []
         error = "EngineError" if (f == "500" and p == "vllm") else "EngineProtocolError"
         return "failed", error, 1, [1, 2]
     # unload (retiring v1 after v2 serves)
