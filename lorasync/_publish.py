@@ -14,11 +14,10 @@ Per engine, concurrently: pre-flight (capabilities, rank, modules, capacity) →
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import os
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Coroutine, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -122,6 +121,9 @@ class Publisher:
         self._merged = MergedTransport(base, bucket_bytes=bucket_bytes) if base is not None else None
         self._state = {id(e): _EngineState() for e in self.engines}
         self._lock = threading.Lock()
+        # Sync calls run on one event loop owned by this publisher, so engine clients keep their
+        # connections (and TLS setup) from step to step.
+        self._loop = _LoopThread()
 
     # -- public ---------------------------------------------------------------------------------
 
@@ -141,7 +143,7 @@ class Publisher:
         Raises:
             InvalidNameError: bad version. AdapterError / ExportError: bad adapter.
         """
-        return _run_sync(lambda: self.apublish(adapter, version=version, verify=verify))
+        return self._loop.run(self.apublish(adapter, version=version, verify=verify))
 
     async def apublish(self, adapter: Adapter | nn.Module | Mapping[str, torch.Tensor], *, version: int, verify: Probe | None = None) -> PublishReport:
         """Async twin of :meth:`publish`."""
@@ -180,7 +182,7 @@ class Publisher:
     def restore_base(self) -> None:
         """Undo merged publishes: every engine this publisher merged into gets its pristine base
         weights back (adapter-serving engines are untouched)."""
-        _run_sync(self.arestore_base)
+        self._loop.run(self.arestore_base())
 
     async def arestore_base(self) -> None:
         if self._merged is None:
@@ -193,8 +195,16 @@ class Publisher:
                 state.merged = None
 
     def close(self) -> None:
+        """Close the engines' connections and stop the publisher's event loop (idempotent)."""
+        self._stop_loop()
         for engine in self.engines:
             engine.close()
+
+    def _stop_loop(self) -> None:
+        # Async clients opened on the publisher's loop are closed on it before it stops.
+        if self._loop.running:
+            self._loop.run(_aclose_all(self.engines))
+        self._loop.stop()
 
     def __enter__(self) -> Publisher:
         return self
@@ -538,7 +548,10 @@ def publish_adapter(
         'policy@v12'
     """
     publisher = Publisher(engines, name=name, transport=transport, keep=keep, root=root, base=base, verify=verify)
-    return publisher.publish(adapter, version=version)
+    try:
+        return publisher.publish(adapter, version=version)
+    finally:
+        publisher._stop_loop()  # the caller's engine objects stay open
 
 
 async def apublish_adapter(
@@ -558,15 +571,40 @@ async def apublish_adapter(
     return await publisher.apublish(adapter, version=version)
 
 
-def _run_sync(factory: Callable[[], Awaitable[T]]) -> T:
-    """Run a coroutine to completion from sync code, also when called inside a running loop."""
+async def _aclose_all(engines: Iterable[Engine]) -> None:
+    for engine in engines:
+        await engine.aclose()
 
-    async def main() -> T:
-        return await factory()
 
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(main())
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        return pool.submit(asyncio.run, main()).result()
+class _LoopThread:
+    """An event loop in a daemon thread, started on first use; sync code submits coroutines.
+
+    Works whether or not the caller's thread already runs a loop (notebooks, async trainers).
+    """
+
+    def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._guard = threading.Lock()
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        with self._guard:
+            if self._loop is None:
+                loop = asyncio.new_event_loop()
+                thread = threading.Thread(target=loop.run_forever, name="lorasync-publisher", daemon=True)
+                thread.start()
+                self._loop, self._thread = loop, thread
+            loop = self._loop
+        return asyncio.run_coroutine_threadsafe(coro, loop).result()
+
+    @property
+    def running(self) -> bool:
+        return self._loop is not None
+
+    def stop(self) -> None:
+        with self._guard:
+            loop, thread, self._loop, self._thread = self._loop, self._thread, None, None
+        if loop is not None and thread is not None:
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(timeout=10)
+            loop.close()

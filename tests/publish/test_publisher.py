@@ -1,7 +1,6 @@
 """Publisher semantics: retention, fencing, dedup, partial failure, capacity, verify, hostile names."""
 
 import asyncio
-import os
 
 import pytest
 

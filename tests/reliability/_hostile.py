@@ -63,7 +63,7 @@ def _tensor_cases() -> list[tuple[str, Callable[[], Any], type[LoraSyncError]]]:
         ("rank differs from config", lambda: Adapter({KA: a, KB: b}, AdapterConfig(r=8, lora_alpha=8)), ShapeMismatchError),
         ("B without A", lambda: Adapter({KB: b}, cfg), MissingPairError),
         ("traversal in a key", lambda: Adapter({"base_model.model.../../etc.lora_A.weight": a, KB: b}, cfg), InvalidKeyError),
-        ("NUL in a key", lambda: Adapter({f"base_model.model.m\x00.lora_A.weight": a, KB: b}, cfg), InvalidKeyError),
+        ("NUL in a key", lambda: Adapter({"base_model.model.m\x00.lora_A.weight": a, KB: b}, cfg), InvalidKeyError),
         ("base weight as a key", lambda: Adapter({f"base_model.model.{M}.weight": a, KA: a, KB: b}, cfg), InvalidKeyError),
         ("not a tensor", lambda: Adapter({KA: a.tolist(), KB: b}, cfg), AdapterError),
         ("NaN (check_finite)", lambda: Adapter({KA: nan, KB: b}, cfg, check_finite=True), NonFiniteError),
