@@ -63,6 +63,7 @@ class _EngineState:
     synced: bool = False
     versions: dict[int, str | None] = field(default_factory=dict)  # loaded version -> content hash (None: unknown)
     merged: tuple[int, str] | None = None  # (version, hash) merged into the base
+    in_place: tuple[int, str, Adapter] | None = None  # (version, hash, adapter) served in place
 
 
 class Publisher:
@@ -81,6 +82,11 @@ class Publisher:
             checkpoint dir or ``BaseWeights``); enables the merged fallback.
         bucket_bytes (`int`): merged fallback bucket size.
         verify (`Probe`, *optional*): default probe checked after every load.
+        in_place (`bool`): serve every version under the plain ``name``, swapped atomically, on
+            engines that support it safely (``capabilities().load_inplace``; the in-process PEFT
+            engine). Refused elsewhere: vLLM 0.32's ``load_inplace`` re-reads files every step and
+            reuses stale prefix-cache blocks, and SGLang has no in-place update. Version
+            monotonicity is then tracked by this publisher only (the engine's names carry none).
 
     Example:
         >>> pub = Publisher(["vllm:http://127.0.0.1:8000"], name="policy")  # doctest: +SKIP
@@ -99,6 +105,7 @@ class Publisher:
         base: BaseWeights | str | os.PathLike[str] | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         verify: Probe | None = None,
+        in_place: bool = False,
     ) -> None:
         if isinstance(engines, (Engine, str)):
             engines = [engines]
@@ -113,6 +120,9 @@ class Publisher:
         self.transport = transport
         self.keep = keep
         self.verify = verify
+        self.in_place = in_place
+        if in_place and transport == "merged":
+            raise ConfigError("in_place=True serves adapters; it cannot combine with transport='merged'")
         self.store = DiskStore(root)
         self._disk = DiskTransport(self.store)
         self._ipc = IPCTransport()
@@ -161,7 +171,8 @@ class Publisher:
         timings["hash"] = time.perf_counter() - t0
         await asyncio.to_thread(self._lock.acquire)
         try:
-            results = await asyncio.gather(*(self._publish_one(e, adapter, version, digest, probe) for e in self.engines))
+            one = self._publish_in_place if self.in_place else self._publish_one
+            results = await asyncio.gather(*(one(e, adapter, version, digest, probe) for e in self.engines))
             t0 = time.perf_counter()
             await self._collect_files(version)
             timings["gc"] = time.perf_counter() - t0
@@ -169,6 +180,8 @@ class Publisher:
             self._lock.release()
         timings["total"] = time.perf_counter() - start
         names = {r.served_name for r in results if r.ok and r.served_name}
+        if self.in_place:
+            names = {self.name}
         return PublishReport(
             name=self.name,
             version=version,
@@ -278,6 +291,68 @@ class Publisher:
             result.error = err
             state.caps = None
             state.synced = False
+        return result
+
+    async def _publish_in_place(self, engine: Engine, adapter: Adapter, version: int, digest: str, probe: Probe | None) -> EngineResult:
+        """One engine, in-place mode: ``name`` switches atomically to the new weights."""
+        result = EngineResult(engine=engine.kind or type(engine).__name__, url=engine.url, status="failed", served_name=self.name)
+        state = self._state[id(engine)]
+        try:
+            t0 = time.perf_counter()
+            caps = state.caps = state.caps or await engine.acapabilities()
+            if not caps.load_inplace:
+                raise CapabilityError(
+                    f"{caps.engine} at {caps.url or '?'} cannot swap an adapter in place safely; publish versioned "
+                    "names (in_place=False, the default)",
+                    engine=caps.engine,
+                    url=caps.url,
+                )
+            caps.check(adapter)
+            previous = state.in_place
+            if previous is not None and previous[1] == digest and previous[0] <= version:
+                result.status, result.reason = "unchanged", f"already serving identical content ({digest[:12]}); nothing moved"
+                return result
+            if previous is not None and version <= previous[0]:
+                raise StaleVersionError(
+                    f"{self.name} v{version} would replace v{previous[0]}; versions must increase. Nothing was changed.",
+                    adapter=self.name,
+                    version=version,
+                    newest=previous[0],
+                )
+            result.timings["preflight"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            if self.transport == "disk" or (self.transport == "auto" and not (caps.in_process and caps.tensor_load)):
+                path, _, write_s = await self._disk.write(adapter, self.name, version)
+                result.timings["write"] = write_s
+                t0 = time.perf_counter()
+                await engine.areplace_adapter(self.name, path)
+                result.transport, result.bytes_moved = "disk", adapter.nbytes
+            else:
+                await engine.areplace_adapter_tensors(self.name, adapter)
+                result.transport, result.bytes_moved = "ipc", adapter.nbytes
+            result.timings["load"] = time.perf_counter() - t0
+            result.reason = "in place: the name switched atomically"
+            if probe is not None:
+                t0 = time.perf_counter()
+                ids, logprobs = await engine.agreedy(self.name, list(probe.prompt_ids), len(probe.expected_ids))
+                why = probe.mismatch(ids, logprobs)
+                if why is not None:
+                    if previous is not None:  # put the previous weights back
+                        await engine.areplace_adapter_tensors(self.name, previous[2])
+                    raise VerificationError(
+                        f"{engine.kind} does not reproduce the trainer's probe for {self.name} v{version}: {why}; "
+                        + ("the previous version was put back" if previous is not None else "nothing served before it"),
+                        engine=engine.kind,
+                        url=engine.url,
+                        adapter=self.name,
+                    )
+                result.timings["verify"] = time.perf_counter() - t0
+                result.reason += "; verified through the engine"
+            state.in_place = (version, digest, adapter)
+            result.status = "loaded"
+        except LoraSyncError as exc:
+            result.error = exc
+            state.caps = None
         return result
 
     def _choose(self, caps: Capabilities, adapter: Adapter) -> tuple[Transport, str]:
@@ -481,6 +556,13 @@ class Publisher:
         lock, so a concurrent publisher's version is never deleted between its load and this
         publisher's view of the engines (vLLM re-reads an evicted adapter's files).
         """
+        if self.in_place:
+            # In-place engines read a version's files only during the swap.
+            published = await asyncio.to_thread(self.store.versions, self.name)
+            for old in sorted(published)[: -self.keep]:
+                if old < current:
+                    await asyncio.to_thread(self.store.remove, self.name, old)
+            return
         if any(not state.synced for state in self._state.values()):
             return  # an engine's view is unknown (it failed): keep every file
         published = await asyncio.to_thread(self.store.versions, self.name)

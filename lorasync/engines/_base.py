@@ -45,7 +45,7 @@ class Capabilities:
     target_modules: frozenset[str] | None = None  # leaf names it can serve; None: any
     tensor_load: bool = False  # load_adapter_tensors works (no files)
     weight_update: bool = False  # update_weights works (merged fallback)
-    load_inplace: bool = False  # reloading one name in place is safe
+    load_inplace: bool = False  # replace_adapter swaps one name atomically and safely
     same_host: bool = True  # shares this host's filesystem / shared memory
     in_process: bool = False  # lives in this Python process (tensors hand over directly)
     fused_modules: tuple[tuple[str, ...], ...] = ()  # leaf groups stored as one weight (merged updates send whole groups)
@@ -122,6 +122,16 @@ class Engine:
         """Load ``adapter`` under ``name`` without files (shared memory / IPC)."""
         raise CapabilityError(f"{self.kind or type(self).__name__} cannot load adapters from tensors", engine=self.kind)
 
+    def replace_adapter(self, name: str, path: str | os.PathLike[str]) -> None:
+        """Atomically make ``name`` serve the adapter at ``path`` (in-place publishing): every
+        request sees the old or the new weights, never a mix, and a failure keeps the old.
+        Only engines whose ``capabilities().load_inplace`` is True implement it."""
+        raise CapabilityError(f"{self.kind or type(self).__name__} cannot replace adapters in place", engine=self.kind)
+
+    def replace_adapter_tensors(self, name: str, adapter: Adapter) -> None:
+        """:meth:`replace_adapter` from tensors, without files."""
+        raise CapabilityError(f"{self.kind or type(self).__name__} cannot replace adapters in place", engine=self.kind)
+
     def update_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> None:
         """Replace base weights in place (the merged fallback). Names are HF parameter names."""
         raise CapabilityError(f"{self.kind or type(self).__name__} cannot update weights", engine=self.kind)
@@ -158,6 +168,12 @@ class Engine:
 
     async def aload_adapter_tensors(self, name: str, adapter: Adapter) -> None:
         await asyncio.to_thread(self.load_adapter_tensors, name, adapter)
+
+    async def areplace_adapter(self, name: str, path: str | os.PathLike[str]) -> None:
+        await asyncio.to_thread(self.replace_adapter, name, path)
+
+    async def areplace_adapter_tensors(self, name: str, adapter: Adapter) -> None:
+        await asyncio.to_thread(self.replace_adapter_tensors, name, adapter)
 
     async def aupdate_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> None:
         await asyncio.to_thread(self.update_weights, named_tensors)

@@ -126,7 +126,7 @@ class PeftEngine(Engine):
             max_loras=self._max_loras,
             tensor_load=True,
             weight_update=True,
-            load_inplace=False,
+            load_inplace=True,
             same_host=True,
             in_process=True,
         )
@@ -191,6 +191,51 @@ class PeftEngine(Engine):
                 adapter.config.to_peft(),
                 lambda peft, slot: set_peft_model_state_dict(peft, tensors, adapter_name=slot),
             )
+
+    def replace_adapter(self, name: str, path: str | os.PathLike[str]) -> None:
+        """Atomically make ``name`` serve the adapter directory ``path`` (loads it if absent).
+
+        Raises:
+            AdapterNotFoundError, AdapterRejectedError: as :meth:`load_adapter`; ``name`` keeps
+            serving its previous weights.
+        """
+        directory = Path(path)
+        if not (directory / ADAPTER_CONFIG).is_file():
+            raise AdapterNotFoundError(
+                f"no PEFT adapter at {directory} (no {ADAPTER_CONFIG})", engine=self.kind, adapter=name, path=str(directory)
+            )
+        try:
+            adapter = Adapter.load(directory)
+        except (LoraSyncError, OSError, ValueError, KeyError, TypeError) as exc:
+            raise AdapterRejectedError(
+                f"cannot load adapter {name!r} from {directory}: {exc}", engine=self.kind, adapter=name, path=str(directory)
+            ) from exc
+        self.replace_adapter_tensors(name, adapter)
+
+    def replace_adapter_tensors(self, name: str, adapter: Adapter) -> None:
+        """Atomically make ``name`` serve ``adapter``: the new weights are loaded into a fresh
+        slot, then the name switches to it under the engine lock (inference holds the same lock,
+        so it sees the old or the new adapter, never a mix) and the old slot is freed.
+
+        Raises:
+            AdapterRejectedError, RankTooLargeError: ``name`` keeps serving its previous weights.
+        """
+        with self._lock:
+            old = self._slots.get(name)
+            if old is None:
+                self.load_adapter_tensors(name, adapter)
+                return
+            self.capabilities().check(adapter)
+            from peft import set_peft_model_state_dict
+
+            tensors = dict(adapter.tensors)
+            staging = f"{name}\0next"  # NUL: never a user's name
+            self._add(staging, adapter.config.to_peft(), lambda peft, slot: set_peft_model_state_dict(peft, tensors, adapter_name=slot))
+            new = self._slots.pop(staging)
+            self._slots[name] = new
+            with self._translate("replace", name):
+                self._peft.set_adapter(new, inference_mode=True)
+                self._peft.delete_adapter(old)
 
     def unload_adapter(self, name: str) -> None:
         """Stop serving ``name`` and free its weights.

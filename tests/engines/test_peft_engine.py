@@ -137,6 +137,7 @@ def test_capabilities_state_everything_and_the_limits(tiny_model_dir: Path) -> N
         max_loras=3,
         tensor_load=True,
         weight_update=True,
+        load_inplace=True,
         same_host=True,
         in_process=True,
     )
