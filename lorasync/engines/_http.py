@@ -244,34 +244,30 @@ class HTTPEngine(Engine):
 
     # -- clients --------------------------------------------------------------------------------
 
+    def _client_options(self) -> dict[str, Any]:
+        """What the sync and async clients share."""
+        return {
+            "base_url": self.url,
+            "headers": self._headers,
+            "auth": self._auth,
+            "timeout": self.timeout,
+            "verify": _ssl_context(),
+        }
+
     def _sync_client(self) -> httpx.Client:
         if self._client is None:
-            self._client = httpx.Client(
-                base_url=self.url,
-                headers=self._headers,
-                auth=self._auth,
-                timeout=self.timeout,
-                transport=self._transport,
-                verify=_ssl_context(),
-            )
+            self._client = httpx.Client(transport=self._transport, **self._client_options())
         return self._client
 
     def _async_client(self) -> httpx.AsyncClient:
-        # An AsyncClient is bound to the loop that first used it; publishers may call
-        # asyncio.run() once per step, so a new loop gets a new client.
+        # An AsyncClient is bound to the loop that first used it; a new loop (asyncio.run in the
+        # caller's code) gets a new client. Publishers keep one loop, so theirs persist.
         loop = asyncio.get_running_loop()
         if self._aclient is not None and self._aclient_loop is not loop:
             self._aclient = None
         self._aclient_loop = loop
         if self._aclient is None:
-            self._aclient = httpx.AsyncClient(
-                base_url=self.url,
-                headers=self._headers,
-                auth=self._auth,
-                timeout=self.timeout,
-                transport=self._async_transport,
-                verify=_ssl_context(),
-            )
+            self._aclient = httpx.AsyncClient(transport=self._async_transport, **self._client_options())
         return self._aclient
 
     def close(self) -> None:
