@@ -19,8 +19,9 @@ Adapter flow (driven by ``VLLMEngine.load_adapter_tensors``):
 
 When the trainer's adapter lives on a GPU of this host, step 1-2 are instead
 ``collective_rpc("lorasync_stage_adapter_cuda", spec)``: every worker maps the trainer's packed
-GPU buffer through a CUDA IPC handle (encoded as JSON, no pickle), copies it into its own GPU
-memory and returns; lorasync then frees the buffer. A worker that cannot map it (no CUDA, the GPU
+GPU buffer through a CUDA IPC handle (encoded as JSON, no pickle), copies it straight into its
+own page-locked host memory (where vLLM 0.32 builds adapters) and returns; lorasync then frees
+the buffer. A worker that cannot map it (no CUDA, the GPU
 not visible) answers ``staged: False`` and lorasync falls back to shared memory.
 
 Tested against vLLM 0.32 (``WorkerLoRAManager._load_adapter``); other versions may differ.
@@ -36,7 +37,6 @@ from typing import Any
 import torch
 
 from lorasync.transports._cuda_ipc import CudaIpcUnavailable, import_tensors
-from lorasync.transports._d2h import serialize
 from lorasync.transports._shm import read_segment
 
 __all__ = ["IPC_PREFIX", "LoraSyncWorkerExtension"]
@@ -73,17 +73,17 @@ class LoraSyncWorkerExtension:
         trainer's GPU, so the caller falls back to shared memory.
 
         vLLM 0.32 builds adapters in host memory (its LoRA cache lives there and is copied into
-        GPU slots on use), so the worker's GPU copy is moved to host memory in one transfer
-        before answering, instead of vLLM moving it one tensor (and one GPU wait) at a time.
+        GPU slots on use), so the worker copies the trainer's buffer straight into page-locked
+        host memory in one transfer, instead of vLLM moving it one tensor (and one GPU wait) at
+        a time.
         """
         spec = json.loads(spec_json)
         token = _token(spec)
-        device = getattr(self, "device", None)
         try:
-            tensors, metadata = import_tensors(spec, device=device if _is_cuda(device) else None)
+            tensors, metadata = import_tensors(spec, device="cpu")
         except CudaIpcUnavailable as exc:
             return {"token": token, "staged": False, "reason": str(exc)}
-        return _stage(self, token, serialize(tensors).tensors, metadata)
+        return _stage(self, token, tensors, metadata)
 
     def lorasync_release_adapter(self, token: str) -> bool:
         with _LOCK:
@@ -111,10 +111,6 @@ def _token(spec: Any) -> str:
     if "/" in token or not token:
         raise ValueError(f"bad lorasync token {token!r}")
     return token
-
-
-def _is_cuda(device: Any) -> bool:
-    return isinstance(device, torch.device) and device.type == "cuda"
 
 
 def _stage(worker: Any, token: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> dict[str, Any]:

@@ -1,16 +1,17 @@
 """CUDA IPC handoff: a colocated process maps the trainer's GPU memory and copies the adapter
-out of it, with no trip through host memory.
+out of it, with no trip through the trainer's host memory.
 
 Producer (the trainer, :func:`export_tensors`): the adapter's tensors are packed into one flat
-device buffer (one gather kernel; it also snapshots them, so the optimizer may move on) laid
-out like a safetensors data section, and that buffer is shared once with
+device buffer laid out like a safetensors data section (one gather kernel per group of
+:mod:`lorasync.transports._d2h`'s layout: three for an adapter; it also snapshots them, so the
+optimizer may move on), and that buffer is shared once with
 ``torch.multiprocessing.reductions.reduce_tensor``. The handle tuple is encoded field by field
 as JSON (bytes as base64) next to the safetensors header: no pickle crosses the boundary.
 
 Consumer (an engine worker, :func:`import_tensors`): validates the spec, rebuilds the buffer
 with ``rebuild_cuda_tensor`` (which also waits for the producer's pack through the shared CUDA
-event), copies it into its own memory, waits, and drops the mapping. Returning is the
-confirmation.
+event), copies it into its own memory (its GPU, or page-locked host memory), waits, drops the
+mapping and cuts the views (one ``split`` per group). Returning is the confirmation.
 
 Lifetime: the producer keeps the buffer until every consumer has returned, then calls
 :meth:`CudaExport.release`. torch's own cross-process reference count expects exactly one
@@ -31,7 +32,7 @@ from typing import Any
 
 import torch
 
-from lorasync.transports._d2h import _ITEMSIZE, ViewPlan, _flatten_tensors, _gather, _one_kind_plan, _runs, apply_views, layout, plan_views
+from lorasync.transports._d2h import ViewPlan, apply_views, gather_into, layout, plan_views
 
 __all__ = ["SPEC_VERSION", "CudaExport", "CudaIpcUnavailable", "export_tensors", "import_tensors", "parse_spec"]
 
@@ -116,24 +117,12 @@ def export_tensors(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, s
     if len(devices) != 1 or next(iter(devices)).type != "cuda":
         raise ValueError(f"CUDA IPC needs every tensor on one CUDA device; got {sorted(map(str, devices))}")
     device = next(iter(devices))
-    keys, values = list(tensors), list(tensors.values())
-    dtype = values[0].dtype
-    with torch.no_grad():
-        if len(values) > 1 and dtype in _ITEMSIZE and all(t.dtype == dtype for t in values):
-            # The common case (an adapter): one gather kernel, data in the given order, the
-            # header cached per structure.
-            flat = _flatten_tensors(values).view(torch.uint8)
-            header, _, offsets, _ = _one_kind_plan(keys, values, metadata)
-            nbytes = offsets[-1]
-        else:
-            header, entries = layout(tensors, metadata)
-            nbytes = sum(e.nbytes for e in entries)
-            flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
-            for run in _runs([e for e in entries if e.nbytes], chunk_bytes=nbytes):
-                first = run[0]
-                _gather(flat[first.begin : first.begin + sum(e.nbytes for e in run)].view(first.tensor.dtype), run)
-        if flat.numel() == 0:
-            flat = torch.empty(1, dtype=torch.uint8, device=device)  # a storage to share
+    plan = layout(tensors, metadata)  # cached per structure: every step sends the same one
+    header, nbytes = plan.header, plan.nbytes
+    # One buffer laid out like the safetensors data section, each group of tensors gathered into
+    # it with one kernel (which also snapshots them, so the optimizer may move on).
+    flat = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)  # never empty: a storage to share
+    gather_into(flat[:nbytes], plan, list(tensors.values()), chunk_bytes=nbytes)
     # The work above runs on the current stream; the event reduce_tensor records there follows it.
     from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
@@ -203,7 +192,8 @@ def import_tensors(
     Args:
         spec (`Mapping`): :attr:`CudaExport.spec`, e.g. after a JSON round trip.
         device (*optional*): where the copy goes; defaults to the producer's GPU as this process
-            numbers it.
+            numbers it. ``"cpu"`` copies straight from the producer's memory into page-locked
+            host memory (one transfer, no copy on this process's GPU).
 
     Returns:
         ``(tensors, metadata)``: views into one buffer this process owns; the producer's memory
@@ -220,7 +210,10 @@ def import_tensors(
         raise CudaIpcUnavailable("this process has no CUDA device")
     local = _local_index(fields["device_uuid"])
     target = torch.device("cuda", local) if device is None else torch.device(device)
-    own = torch.empty(nbytes, dtype=torch.uint8, device=target)
+    if target.type == "cpu":
+        own = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    else:
+        own = torch.empty(nbytes, dtype=torch.uint8, device=target)
     if nbytes:
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
@@ -247,9 +240,9 @@ def import_tensors(
             raise CudaIpcUnavailable(f"cannot map the producer's GPU memory: {exc}") from exc
         # rebuild made ``local``'s current stream wait for the producer's event; the copy runs there.
         with torch.cuda.device(local):
-            own.copy_(shared)
+            own.copy_(shared, non_blocking=True)
             torch.cuda.current_stream(local).synchronize()
-        if own.device != shared.device:
+        if own.is_cuda and own.device != shared.device:
             torch.cuda.current_stream(own.device).synchronize()
         del shared
     return apply_views(own, fields["plan"]), dict(fields["metadata"])

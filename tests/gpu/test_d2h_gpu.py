@@ -23,6 +23,9 @@ def test_serialize_is_bit_exact_and_a_safetensors_file(chunk_bytes: int) -> None
         "cpu_f16": torch.randn(9, generator=torch.Generator().manual_seed(2)).half(),
         "i8": torch.randint(-100, 100, (3, 3), device="cuda", generator=g, dtype=torch.int8),
         "empty": torch.zeros(0, 4, device="cuda"),
+        "no_columns": torch.zeros(3, 0, device="cuda"),
+        "scalar": torch.tensor(2.5, device="cuda"),
+        "cpu_f32_beside_cuda": torch.randn(4, 17, generator=torch.Generator().manual_seed(3)),  # joins f32's group
     }
     buf = serialize(tensors, {"k": "v"}, chunk_bytes=chunk_bytes)
     assert buf.data.is_pinned()
@@ -69,3 +72,37 @@ def test_shared_memory_segment_from_gpu_tensors() -> None:
     assert meta == {"m": "1"}
     for key, t in gpu.tensors.items():
         assert torch.equal(out[key], t.cpu())
+
+
+def test_a_changed_structure_is_never_exported_with_the_last_layout() -> None:
+    """serialize starts the transfers with the previous export's layout when the ends of the
+    structure look the same, and checks the whole structure while they run: tensors that differ
+    in between in shape (even with the same total bytes), dtype or key must still come out exact."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device="cuda", generator=g)
+
+    def check(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+        buf = serialize(tensors, metadata)
+        parsed = load(bytes(buf.data.numpy()))
+        assert list(buf.tensors) == list(tensors)
+        for key, t in tensors.items():
+            assert buf.tensors[key].shape == t.shape and torch.equal(buf.tensors[key], t.cpu()), key
+            assert torch.equal(parsed[key], t.cpu()), key
+
+    def adapter(rows: tuple[int, ...], middle_dtype: torch.dtype = torch.float32, middle_key: str = "t1") -> dict[str, torch.Tensor]:
+        out = {f"t{i}": rand(n, 8) for i, n in enumerate(rows)}
+        out[middle_key] = out.pop("t1").to(middle_dtype)
+        return dict(sorted(out.items(), key=lambda kv: kv[0][-1]))
+
+    check(adapter((4, 12, 4, 12)))
+    check(adapter((4, 12, 4, 12)))  # the guess holds
+    check(adapter((4, 12, 4, 12)), {"m": "1"})  # other metadata: its own guess
+    check(adapter((4, 4, 12, 12)))  # same ends and bytes, rows moved in between
+    check(adapter((4, 12, 4, 12), torch.bfloat16))  # same shapes, one dtype changed in between
+    check(adapter((4, 12, 4, 12), middle_key="u1"))  # one key changed in between
+    odd = adapter((4, 12, 4, 12))
+    odd["t1"] = rand(8, 12)  # in between, a tensor the guessed gathers cannot take
+    check(odd)
+    check({f"t{i}": rand(3, n) for i, n in enumerate((5, 6, 7))})  # other ends: no guess

@@ -6,15 +6,18 @@ from __future__ import annotations
 import base64
 import copy
 import json
+import math
 import types
 
 import pytest
 import torch
-from safetensors.torch import load, load_file
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.torch import load, load_file, save
 
 from lorasync.engines.vllm_worker import CONFIG_KEY, LoraSyncWorkerExtension
 from lorasync.transports._cuda_ipc import SPEC_VERSION, CudaIpcUnavailable, export_tensors, import_tensors, parse_spec
-from lorasync.transports._d2h import serialize, views
+from lorasync.transports._d2h import layout, plan_views, serialize, views
 from lorasync.transports._shm import read_segment
 
 
@@ -44,6 +47,65 @@ def test_one_buffer_is_a_safetensors_file_with_aligned_views(tmp_path) -> None:
     with buf.to_shm() as seg:
         out, meta = read_segment(seg.name, seg.nbytes)
     assert meta == {"k": "v"} and all(torch.equal(out[k], t) for k, t in tensors.items())
+
+
+def test_adapter_data_forms_one_group_per_input_width_and_one_for_all_b() -> None:
+    """Every lora_A of one input width, and every lora_B (trailing dim r), share a group: one
+    gather kernel and one split each, however many layers."""
+    tensors = {}
+    for layer in range(3):
+        for module, (out, inp) in {"q": (64, 32), "k": (16, 32), "down": (32, 96)}.items():
+            tensors[f"l{layer}.{module}.lora_A.weight"] = torch.randn(4, inp).bfloat16()
+            tensors[f"l{layer}.{module}.lora_B.weight"] = torch.randn(out, 4).bfloat16()
+    plan = layout(tensors).plan
+    assert [(g.trailing, len(g.keys)) for g in plan.groups] == [((32,), 6), ((4,), 9), ((96,), 3)]
+    buf = serialize(tensors)
+    assert list(buf.tensors) == list(tensors)
+    assert all(torch.equal(buf.tensors[k], t) for k, t in tensors.items())
+    # A consumer that only has the header finds the same groups.
+    header = json.loads(bytes(buf.data[8 : 8 + int.from_bytes(bytes(buf.data[:8]), "little")]))
+    assert plan_views(header).groups == plan.groups
+
+
+_DTYPE_CHOICES = [torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int8, torch.bool]
+
+
+@st.composite
+def _tensor_dicts(draw) -> dict[str, torch.Tensor]:
+    n = draw(st.integers(0, 12))
+    out = {}
+    for i in range(n):
+        dtype = draw(st.sampled_from(_DTYPE_CHOICES))
+        shape = tuple(draw(st.lists(st.integers(0, 4), max_size=3)))
+        t = (torch.arange(math.prod(shape)).reshape(shape) * (i + 3) % 7).to(dtype)
+        if draw(st.booleans()) and t.dim() == 2:
+            t = t.t()  # not contiguous
+        out[f"t{i}." + draw(st.sampled_from(["a", "é", "\"q\"", ""]))] = t
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(_tensor_dicts(), st.sampled_from([0, 1, 8, 1 << 20]))
+def test_any_tensors_round_trip_through_safetensors_bit_exact(tensors, chunk_bytes) -> None:
+    buf = serialize(tensors, {"m": "1"}, chunk_bytes=chunk_bytes)
+    parsed = load(bytes(buf.data.numpy()))
+    assert list(buf.tensors) == list(tensors)
+    for key, t in tensors.items():
+        for got in (parsed[key], buf.tensors[key]):
+            assert got.dtype == t.dtype and got.shape == t.shape and torch.equal(got, t), key
+
+
+@settings(max_examples=200, deadline=None)
+@given(_tensor_dicts())
+def test_views_of_files_written_by_safetensors_equal_its_own_load(tensors) -> None:
+    """Headers lorasync did not write (safetensors orders data by dtype, then name)."""
+    raw = save({k: t.contiguous() for k, t in tensors.items()})
+    size = int.from_bytes(raw[:8], "little")
+    flat = torch.frombuffer(bytearray(raw[8 + size :]) or bytearray(1), dtype=torch.uint8)
+    out = views(flat, json.loads(raw[8 : 8 + size]))
+    assert set(out) == set(tensors)
+    for key, t in tensors.items():
+        assert out[key].shape == t.shape and torch.equal(out[key], t), key
 
 
 @pytest.mark.parametrize(
