@@ -89,7 +89,7 @@ def _engine_routed_to(consumer, calls: list[str], memory: list[int], staged: lis
             torch.cuda.synchronize()
             memory.append(torch.cuda.memory_allocated())
             assert body["lora_path"].startswith(IPC_PREFIX)
-            return httpx.Response(200, text="ok")
+            return httpx.Response(200, text=f"Success: LoRA adapter '{body['lora_name']}' added successfully.")  # vLLM's own answer
         return httpx.Response(404, json={"detail": "Not Found"})
 
     transport = httpx.MockTransport(handler)
