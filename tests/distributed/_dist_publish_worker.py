@@ -63,12 +63,12 @@ def _count_collectives(dist: Any, log: list[dict[str, Any]]) -> None:
     dist.broadcast, dist.gather, dist.all_gather = broadcast, gather, all_gather
 
 
-def _init(rank: int, world: int, port: int):
+def _init(rank: int, world: int, port: int, backend: str = "gloo"):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
         timeout=datetime.timedelta(seconds=45),
     )
     return dist
@@ -159,6 +159,43 @@ def run_memory(rank: int, world: int, port: int, out: str) -> None:
             _dump(os.path.join(out, "side-report.json"), report.to_dict())
         outcome["side"] = "none" if report is None else "report"
         _dump(os.path.join(out, f"side-collectives-{rank}.json"), log[start:])
+        _dump(os.path.join(out, f"outcome-{rank}.json"), outcome)
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:
+        with open(os.path.join(out, f"error-{rank}.txt"), "w") as fh:
+            fh.write(traceback.format_exc())
+        raise
+
+
+def run_nccl(rank: int, world: int, port: int, out: str) -> None:
+    """NCCL, one GPU per rank, one rank per node (each its own leader with one MemoryEngine);
+    src is rank 0 and publishes an adapter that lives on its GPU. Every buffer the publisher
+    hands to NCCL must be a CUDA tensor: NCCL refuses host memory."""
+    os.environ["LOCAL_WORLD_SIZE"] = "1"
+    os.environ["LOCAL_RANK"] = "0"
+    os.environ.pop("GROUP_RANK", None)
+    try:
+        torch.cuda.set_device(rank)
+        dist = _init(rank, world, port, backend="nccl")
+        from lorasync.distributed import DistributedPublisher
+        from lorasync.testing import MemoryEngine
+
+        engines = [MemoryEngine(f"memory://node{rank}-e0")]
+        log: list[dict[str, Any]] = []
+        _count_collectives(dist, log)
+        pub = DistributedPublisher(
+            name="policy", engines=engines, root=os.path.join(out, f"root-node{rank}"), keep=1, timeout=datetime.timedelta(seconds=60)
+        )
+        outcome: dict[str, Any] = {"rank": rank, "is_leader": pub.is_leader, "node_id": pub.node_id, "leaders": pub.leaders}
+        for tag, seed, dtype, version in (("v1", 1, torch.float32, 1), ("v2", 2, torch.bfloat16, 2), ("v3-unchanged", 2, torch.bfloat16, 3)):
+            start = len(log)
+            adapter = make_adapter(seed, dtype).to(device="cuda") if rank == 0 else None
+            report = pub.publish(adapter, version=version)
+            if report is not None:
+                _dump(os.path.join(out, f"{tag}-report.json"), report.to_dict())
+            _dump(os.path.join(out, f"{tag}-collectives-{rank}.json"), log[start:])
+            _served(engines, out, f"{tag}-node{rank}")
         _dump(os.path.join(out, f"outcome-{rank}.json"), outcome)
         dist.barrier()
         dist.destroy_process_group()
