@@ -8,10 +8,12 @@ Leaders dump what their engines serve; ``src`` dumps its reports. The parent jud
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
 import traceback
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -74,6 +76,22 @@ def _init(rank: int, world: int, port: int, backend: str = "gloo"):
     return dist
 
 
+@contextlib.contextmanager
+def _reported_errors(out: str, rank: int) -> Iterator[None]:
+    """A rank's traceback goes where the parent looks for it (``error-<rank>.txt``), then up."""
+    try:
+        yield
+    except BaseException:
+        with open(os.path.join(out, f"error-{rank}.txt"), "w") as fh:
+            fh.write(traceback.format_exc())
+        raise
+
+
+def _finish(dist: Any) -> None:
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def _dump(path: str, obj: Any) -> None:
     with open(path, "w") as fh:
         json.dump(obj, fh, indent=1, default=str)
@@ -97,7 +115,7 @@ def run_memory(rank: int, world: int, port: int, out: str) -> None:
     os.environ["LOCAL_WORLD_SIZE"] = "2"
     os.environ["LOCAL_RANK"] = str(rank % 2)
     os.environ.pop("GROUP_RANK", None)
-    try:
+    with _reported_errors(out, rank):
         dist = _init(rank, world, port)
         from lorasync.distributed import DistributedPublisher
         from lorasync.errors import EngineUnavailableError, LoraSyncError
@@ -160,12 +178,7 @@ def run_memory(rank: int, world: int, port: int, out: str) -> None:
         outcome["side"] = "none" if report is None else "report"
         _dump(os.path.join(out, f"side-collectives-{rank}.json"), log[start:])
         _dump(os.path.join(out, f"outcome-{rank}.json"), outcome)
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:
-        with open(os.path.join(out, f"error-{rank}.txt"), "w") as fh:
-            fh.write(traceback.format_exc())
-        raise
+        _finish(dist)
 
 
 def run_nccl(rank: int, world: int, port: int, out: str) -> None:
@@ -175,7 +188,7 @@ def run_nccl(rank: int, world: int, port: int, out: str) -> None:
     os.environ["LOCAL_WORLD_SIZE"] = "1"
     os.environ["LOCAL_RANK"] = "0"
     os.environ.pop("GROUP_RANK", None)
-    try:
+    with _reported_errors(out, rank):
         torch.cuda.set_device(rank)
         dist = _init(rank, world, port, backend="nccl")
         from lorasync.distributed import DistributedPublisher
@@ -197,18 +210,13 @@ def run_nccl(rank: int, world: int, port: int, out: str) -> None:
             _dump(os.path.join(out, f"{tag}-collectives-{rank}.json"), log[start:])
             _served(engines, out, f"{tag}-node{rank}")
         _dump(os.path.join(out, f"outcome-{rank}.json"), outcome)
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:
-        with open(os.path.join(out, f"error-{rank}.txt"), "w") as fh:
-            fh.write(traceback.format_exc())
-        raise
+        _finish(dist)
 
 
 def run_vllm(rank: int, world: int, port: int, out: str, vllm_url: str, dead_url: str, adapter_dir: str, probe: dict) -> None:
     """Node "alpha" = ranks 0, 1 (src and leader rank 0) with a VLLMEngine at a dead port;
     node "beta" = ranks 2, 3 (explicit leader: rank 3) with the real vLLM server."""
-    try:
+    with _reported_errors(out, rank):
         dist = _init(rank, world, port)
         from lorasync import Adapter, Probe
         from lorasync.distributed import DistributedPublisher
@@ -231,9 +239,4 @@ def run_vllm(rank: int, world: int, port: int, out: str, vllm_url: str, dead_url
             _dump(os.path.join(out, "report.json"), report.to_dict())
         _dump(os.path.join(out, f"outcome-{rank}.json"), {"report": report is not None, "leaders": pub.leaders})
         pub.close()
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:
-        with open(os.path.join(out, f"error-{rank}.txt"), "w") as fh:
-            fh.write(traceback.format_exc())
-        raise
+        _finish(dist)
