@@ -21,8 +21,8 @@ When the trainer's adapter lives on a GPU of this host, step 1-2 are instead
 ``collective_rpc("lorasync_stage_adapter_cuda", spec)``: every worker maps the trainer's packed
 GPU buffer through a CUDA IPC handle (encoded as JSON, no pickle), copies it straight into its
 own page-locked host memory (where vLLM 0.32 builds adapters) and returns; lorasync then frees
-the buffer. A worker that cannot map it (no CUDA, the GPU
-not visible) answers ``staged: False`` and lorasync falls back to shared memory.
+the buffer. A worker that cannot map it (no CUDA, the GPU not visible) answers
+``staged: False`` and lorasync falls back to shared memory.
 
 Tested against vLLM 0.32 (``WorkerLoRAManager._load_adapter``); other versions may differ.
 """
