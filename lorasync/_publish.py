@@ -235,7 +235,7 @@ class Publisher:
             t0 = time.perf_counter()
             if state.caps is None:
                 state.caps = await engine.acapabilities()
-            transport, result.reason = self._choose(state.caps, adapter)
+            transport, result.reason = self._choose(engine, state.caps, adapter)
             result.transport = transport.name
             fresh = not state.synced
             await self._sync_versions(engine, state)
@@ -307,7 +307,7 @@ class Publisher:
                     engine=caps.engine,
                     url=caps.url,
                 )
-            caps.check(adapter)
+            engine.check_adapter(adapter, caps)
             previous = state.in_place
             if previous is not None and previous[1] == digest and previous[0] <= version:
                 result.status, result.reason = "unchanged", f"already serving identical content ({digest[:12]}); nothing moved"
@@ -355,7 +355,7 @@ class Publisher:
             state.caps = None
         return result
 
-    def _choose(self, caps: Capabilities, adapter: Adapter) -> tuple[Transport, str]:
+    def _choose(self, engine: Engine, caps: Capabilities, adapter: Adapter) -> tuple[Transport, str]:
         candidates: dict[str, Transport | None] = {"disk": self._disk, "ipc": self._ipc, "merged": self._merged}
         if self.transport != "auto":
             chosen = candidates[self.transport]
@@ -365,11 +365,11 @@ class Publisher:
             if why is not None:
                 raise CapabilityError(f"transport {self.transport!r} cannot serve {caps.engine} at {caps.url or '?'}: {why}", engine=caps.engine, url=caps.url)
             if chosen.versioned:
-                caps.check(adapter)
+                engine.check_adapter(adapter, caps)
             return chosen, "requested"
         lora_refusal: LoraSyncError | None = None
         try:
-            caps.check(adapter)
+            engine.check_adapter(adapter, caps)
         except (AdapterRejectedError, LoraNotEnabledError) as exc:
             lora_refusal = exc
         if lora_refusal is None:

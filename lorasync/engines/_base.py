@@ -2,7 +2,10 @@
 
 Required (sync): ``capabilities``, ``load_adapter``, ``unload_adapter``, ``list_adapters``.
 Optional: ``load_adapter_tensors`` (file-less IPC) and ``update_weights`` (merged fallback);
-both raise ``CapabilityError`` unless overridden. Async twins (``a``-prefixed) default to running
+both raise ``CapabilityError`` unless overridden. ``check_adapter`` holds the engine's own
+refusal rules (the publisher calls it before any bytes move, for every transport that serves
+LoRA); ``adapters_in_use`` tells which served names running or waiting requests use, so
+retirement never unloads a version under a decoding request. Async twins (``a``-prefixed) default to running
 the sync method in a worker thread; HTTP clients override them with real async I/O.
 
 Contract for implementers:
@@ -118,6 +121,31 @@ class Engine:
 
     # -- optional -----------------------------------------------------------------------------
 
+    def check_adapter(self, adapter: Adapter, caps: Capabilities) -> None:
+        """Refuse, before any bytes move, an adapter this engine cannot serve as LoRA.
+
+        The publisher calls it for every transport that serves the adapter as LoRA (disk, ipc,
+        in-place), never for the merged fallback. The default applies the generic checks of
+        ``caps.check``; engines with rules of their own (SGLang ignores rsLoRA, ...) override it
+        and call ``super().check_adapter`` first.
+
+        Raises:
+            LoraNotEnabledError, RankTooLargeError, IncompatibleAdapterError (``EngineError``).
+        """
+        caps.check(adapter)
+
+    def adapters_in_use(self) -> frozenset[str] | None:
+        """Served names that running or waiting requests use right now, as far as the engine can
+        tell; ``None`` when it cannot tell at all (then retirement relies on a grace period).
+
+        A name in the set must not be unloaded (nor its files deleted): the engine may still
+        need it, and vLLM reloads an evicted adapter from its path for a running request.
+
+        Raises:
+            EngineError: the engine could not be asked.
+        """
+        return None
+
     def load_adapter_tensors(self, name: str, adapter: Adapter) -> None:
         """Load ``adapter`` under ``name`` without files (shared memory / IPC)."""
         raise CapabilityError(f"{self.kind or type(self).__name__} cannot load adapters from tensors", engine=self.kind)
@@ -165,6 +193,9 @@ class Engine:
 
     async def alist_adapters(self) -> list[str]:
         return await asyncio.to_thread(self.list_adapters)
+
+    async def aadapters_in_use(self) -> frozenset[str] | None:
+        return await asyncio.to_thread(self.adapters_in_use)
 
     async def aload_adapter_tensors(self, name: str, adapter: Adapter) -> None:
         await asyncio.to_thread(self.load_adapter_tensors, name, adapter)
