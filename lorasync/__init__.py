@@ -10,6 +10,7 @@ from lorasync._config import AdapterConfig
 from lorasync._probe import Probe
 from lorasync._publish import Publisher, apublish_adapter, publish_adapter
 from lorasync._report import EngineResult, PublishReport
+from lorasync._retention import Retention, RetentionWarning
 from lorasync._retry import RetryPolicy
 from lorasync.errors import LoraSyncError
 from lorasync.transports import BaseWeights
@@ -25,6 +26,8 @@ __all__ = [
     "Probe",
     "PublishReport",
     "Publisher",
+    "Retention",
+    "RetentionWarning",
     "RetryPolicy",
     "__version__",
     "apublish_adapter",

@@ -1,69 +1,56 @@
 """Publisher and publish_adapter: deliver one adapter version to many engines, safely.
 
-Per engine, concurrently: pre-flight (capabilities, rank, modules, capacity) → choose a transport
-→ deliver → optional verify → retire versions beyond the retention window. Invariants:
+Per engine, concurrently: pre-flight (capabilities, the engine's own rules, capacity) → choose a
+transport (:mod:`lorasync._select`) → deliver → optional verify → retire versions outside the
+retention window once their requests drained (:mod:`lorasync._retention`). Then the run's files
+that nothing may read again are collected (:mod:`lorasync._files`). Invariants:
 
 * Versions are monotonic per (engine, name): an older version never replaces a newer one, and a
   version that concurrent publishers already superseded is taken out of service again.
 * Identical content already served moves no bytes.
-* A failure on one engine never blocks or changes the others; a failed load or verify leaves the
-  engine's previous version serving. The report says exactly what happened where.
-* A version's directory is deleted only after every engine of the publish has unloaded it.
+* A failure on one engine never blocks or changes the others, whatever it raised; a failed load
+  or verify leaves the engine's previous version serving. The report says exactly what happened.
+* A version with running or waiting requests is never unloaded (it is ``deferred``), a pinned
+  one never, and a version's files outlive every engine that may reload them.
+* Every publisher owns its own run of versions in the store: two jobs or a re-run never collide.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import threading
 import time
-from collections.abc import Coroutine, Iterable, Mapping
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+import warnings
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
 
 import torch
 from torch import nn
 
 from lorasync._adapter import Adapter
-from lorasync._names import parse_served_name, served_name, validate_name, validate_version
+from lorasync._files import VersionFiles
+from lorasync._handle import EngineHandle
+from lorasync._loop import LoopThread
+from lorasync._names import served_name, validate_name, validate_version
 from lorasync._probe import Probe
 from lorasync._report import EngineResult, PublishReport
-from lorasync.engines._base import Capabilities, Engine
+from lorasync._retention import Ledger, Retention, RetentionWarning, plan
+from lorasync._select import TRANSPORTS, choose_transport
+from lorasync.engines._base import Engine
 from lorasync.engines._registry import parse_engine_spec
-from lorasync.errors import (
-    AdapterNotFoundError,
-    AdapterRejectedError,
-    CapabilityError,
-    CapacityError,
-    ConfigError,
-    EngineError,
-    LoraNotEnabledError,
-    LoraSyncError,
-    StaleVersionError,
-    VerificationError,
-)
-from lorasync.transports._base import Transport
+from lorasync.errors import ConfigError, EngineError, LoraSyncError
 from lorasync.transports._base_weights import BaseWeights
 from lorasync.transports._store import DiskStore
 from lorasync.transports.disk import DiskTransport
+from lorasync.transports.inplace import InPlaceTransport
 from lorasync.transports.ipc import IPCTransport
 from lorasync.transports.merged import DEFAULT_BUCKET_BYTES, MergedTransport
 
 __all__ = ["Publisher", "apublish_adapter", "publish_adapter"]
 
-T = TypeVar("T")
-TRANSPORTS = ("auto", "disk", "ipc", "merged")
-
-
-@dataclass
-class _EngineState:
-    """What this publisher knows about one engine."""
-
-    caps: Capabilities | None = None
-    synced: bool = False
-    versions: dict[int, str | None] = field(default_factory=dict)  # loaded version -> content hash (None: unknown)
-    merged: tuple[int, str] | None = None  # (version, hash) merged into the base
-    in_place: tuple[int, str, Adapter] | None = None  # (version, hash, adapter) served in place
+AdapterLike = Adapter | nn.Module | Mapping[str, torch.Tensor]
 
 
 class Publisher:
@@ -75,18 +62,21 @@ class Publisher:
         name (`str`): the adapter's name; engines serve version N as ``name@vN``.
         transport (`str`): ``"auto"`` (per engine, from its capabilities), ``"disk"``, ``"ipc"``
             or ``"merged"``.
-        keep (`int`): versions each engine keeps loaded (older ones are unloaded, then their
-            files removed). At least 1.
+        keep (`int`): newest versions each engine keeps loaded. At least 1. Older ones are
+            unloaded once no request uses them, then their files removed.
         root (`str | os.PathLike`, *optional*): disk transport root (default ``/dev/shm/lorasync``).
+        run (`str`, *optional*): this publisher's run identity in the store (versions live in
+            ``<root>/<name>/<run>/vN``); default a fresh one, so two jobs or a re-run never
+            collide. Pass the same run to resume after a restart.
         base (`BaseWeights | str | os.PathLike`, *optional*): pristine base weights (a HF
             checkpoint dir or ``BaseWeights``); enables the merged fallback.
         bucket_bytes (`int`): merged fallback bucket size.
         verify (`Probe`, *optional*): default probe checked after every load.
         in_place (`bool`): serve every version under the plain ``name``, swapped atomically, on
             engines that support it safely (``capabilities().load_inplace``; the in-process PEFT
-            engine). Refused elsewhere: vLLM 0.32's ``load_inplace`` re-reads files every step and
-            reuses stale prefix-cache blocks, and SGLang has no in-place update. Version
-            monotonicity is then tracked by this publisher only (the engine's names carry none).
+            engine). Refused elsewhere.
+        grace, drain_timeout, max_deferred, max_staleness: retention options, see
+            :class:`lorasync.Retention` (``retention=`` passes one whole).
 
     Example:
         >>> pub = Publisher(["vllm:http://127.0.0.1:8000"], name="policy")  # doctest: +SKIP
@@ -102,10 +92,16 @@ class Publisher:
         transport: str = "auto",
         keep: int = 2,
         root: str | os.PathLike[str] | None = None,
+        run: str | None = None,
         base: BaseWeights | str | os.PathLike[str] | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         verify: Probe | None = None,
         in_place: bool = False,
+        grace: float = 1.0,
+        drain_timeout: float | None = 600.0,
+        max_deferred: int = 8,
+        max_staleness: int | None = None,
+        retention: Retention | None = None,
     ) -> None:
         if isinstance(engines, (Engine, str)):
             engines = [engines]
@@ -115,29 +111,38 @@ class Publisher:
         self.name = validate_name(name)
         if transport not in TRANSPORTS:
             raise ConfigError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
-        if not isinstance(keep, int) or keep < 1:
-            raise ConfigError(f"keep must be an int >= 1 (versions kept loaded per engine), got {keep!r}")
+        self.retention = retention or Retention(keep=keep, grace=grace, drain_timeout=drain_timeout, max_deferred=max_deferred, max_staleness=max_staleness)
         self.transport = transport
-        self.keep = keep
         self.verify = verify
         self.in_place = in_place
         if in_place and transport == "merged":
             raise ConfigError("in_place=True serves adapters; it cannot combine with transport='merged'")
-        self.store = DiskStore(root)
+        self.store = DiskStore(root, run=run)
         self._disk = DiskTransport(self.store)
-        self._ipc = IPCTransport()
         if base is not None and not isinstance(base, BaseWeights):
             base = BaseWeights.from_pretrained(base)
-        self._merged = MergedTransport(base, bucket_bytes=bucket_bytes) if base is not None else None
-        self._state = {id(e): _EngineState() for e in self.engines}
+        merged = MergedTransport(base, bucket_bytes=bucket_bytes) if base is not None else None
+        self._candidates = {"disk": self._disk, "ipc": IPCTransport(), "merged": merged}
+        self._in_place = InPlaceTransport(self._disk, files={"disk": True, "ipc": False}.get(transport)) if in_place else None
+        self._files = VersionFiles(self.store, self.name, grace=self.retention.grace)
+        self._ledgers = {id(e): Ledger() for e in self.engines}
+        self._handles = {id(e): EngineHandle(e, self.name, self._files) for e in self.engines}
+        self._pins: dict[int, int] = {}
         self._lock = threading.Lock()
-        # Sync calls run on one event loop owned by this publisher, so engine clients keep their
-        # connections (and TLS setup) from step to step.
-        self._loop = _LoopThread()
+        self._loop = LoopThread()
+
+    @property
+    def keep(self) -> int:
+        return self.retention.keep
+
+    @property
+    def run(self) -> str:
+        """This publisher's run identity in the store."""
+        return self.store.run
 
     # -- public ---------------------------------------------------------------------------------
 
-    def publish(self, adapter: Adapter | nn.Module | Mapping[str, torch.Tensor], *, version: int, verify: Probe | None = None) -> PublishReport:
+    def publish(self, adapter: AdapterLike, *, version: int, verify: Probe | None = None) -> PublishReport:
         """Publish ``adapter`` as ``version`` to every engine (blocking).
 
         Args:
@@ -155,7 +160,7 @@ class Publisher:
         """
         return self._loop.run(self.apublish(adapter, version=version, verify=verify))
 
-    async def apublish(self, adapter: Adapter | nn.Module | Mapping[str, torch.Tensor], *, version: int, verify: Probe | None = None) -> PublishReport:
+    async def apublish(self, adapter: AdapterLike, *, version: int, verify: Probe | None = None) -> PublishReport:
         """Async twin of :meth:`publish`."""
         version = validate_version(version)
         timings: dict[str, float] = {}
@@ -169,15 +174,11 @@ class Publisher:
         t0 = time.perf_counter()
         digest = await asyncio.to_thread(lambda: adapter.content_hash)
         timings["hash"] = time.perf_counter() - t0
-        await asyncio.to_thread(self._lock.acquire)
-        try:
-            one = self._publish_in_place if self.in_place else self._publish_one
-            results = await asyncio.gather(*(one(e, adapter, version, digest, probe) for e in self.engines))
+        async with _held(self._lock):
+            results = await asyncio.gather(*(self._guarded(e, adapter, version, digest, probe) for e in self.engines))
             t0 = time.perf_counter()
             await self._collect_files(version)
             timings["gc"] = time.perf_counter() - t0
-        finally:
-            self._lock.release()
         timings["total"] = time.perf_counter() - start
         names = {r.served_name for r in results if r.ok and r.served_name}
         if self.in_place:
@@ -192,32 +193,99 @@ class Publisher:
             timings=timings,
         )
 
+    def pin(self, version: int) -> None:
+        """Never retire ``version`` (on any engine) until :meth:`unpin`; pins nest."""
+        version = validate_version(version)
+        with self._lock:
+            self._pins[version] = self._pins.get(version, 0) + 1
+
+    def unpin(self, version: int) -> None:
+        """Undo one :meth:`pin`; the version retires on the next publish once it is outside the window."""
+        version = validate_version(version)
+        with self._lock:
+            left = self._pins.get(version, 0) - 1
+            if left > 0:
+                self._pins[version] = left
+            else:
+                self._pins.pop(version, None)
+
+    @contextlib.contextmanager
+    def lease(self, version: int) -> Iterator[str]:
+        """Pin ``version`` for the ``with`` block (rollouts that run on it); yields its served name.
+
+        Example:
+            >>> with pub.lease(step) as model:  # doctest: +SKIP
+            ...     rollouts = sample(model=model)
+        """
+        self.pin(version)
+        try:
+            yield served_name(self.name, version)
+        finally:
+            self.unpin(version)
+
+    @property
+    def pinned(self) -> frozenset[int]:
+        return frozenset(self._pins)
+
+    def collect(self) -> dict[str, list[str]]:
+        """Retire what has drained since the last publish (and collect its files) now.
+
+        Returns:
+            ``{"retired": [...], "deferred": [...]}`` over all engines.
+        """
+        return self._loop.run(self.acollect())
+
+    async def acollect(self, *, closing: bool = False) -> dict[str, list[str]]:
+        """Async twin of :meth:`collect`."""
+        retired: list[str] = []
+        deferred: list[str] = []
+        async with _held(self._lock):
+            for engine in self.engines:
+                ledger = self._ledgers[id(engine)]
+                if not ledger.synced or self.in_place:
+                    continue
+                try:
+                    done, waiting = await self._retire(engine, ledger, closing=closing)
+                except LoraSyncError:
+                    continue
+                retired += done
+                deferred += waiting
+            newest = max((v for ledger in self._ledgers.values() for v in ledger.versions), default=None)
+            if newest is not None:
+                await self._collect_files(newest)
+        return {"retired": retired, "deferred": deferred}
+
     def restore_base(self) -> None:
         """Undo merged publishes: every engine this publisher merged into gets its pristine base
         weights back (adapter-serving engines are untouched)."""
         self._loop.run(self.arestore_base())
 
     async def arestore_base(self) -> None:
-        if self._merged is None:
+        merged = self._candidates["merged"]
+        if merged is None:
             return
         for engine in self.engines:
-            state = self._state[id(engine)]
-            if state.merged is not None:
-                caps = state.caps or await engine.acapabilities()
-                await self._merged.restore(engine, caps)
-                state.merged = None
+            ledger = self._ledgers[id(engine)]
+            if ledger.merged is not None:
+                await merged.restore(engine, await self._handles[id(engine)].caps())  # type: ignore[attr-defined]
+                ledger.merged = None
 
     def close(self) -> None:
-        """Close the engines' connections and stop the publisher's event loop (idempotent)."""
-        self._stop_loop()
+        """Retire what has drained, close the engines' connections and stop the publisher's
+        event loop (idempotent). Versions still in use stay loaded, with their files."""
+        if self._loop.running:
+            with contextlib.suppress(LoraSyncError):
+                self._loop.run(self.acollect(closing=True))
+        self._release()
         for engine in self.engines:
             engine.close()
 
-    def _stop_loop(self) -> None:
+    def _release(self) -> None:
         # Async clients opened on the publisher's loop are closed on it before it stops.
         if self._loop.running:
             self._loop.run(_aclose_all(self.engines))
         self._loop.stop()
+        self.store.close()
 
     def __enter__(self) -> Publisher:
         return self
@@ -227,370 +295,141 @@ class Publisher:
 
     # -- one engine -------------------------------------------------------------------------------
 
-    async def _publish_one(self, engine: Engine, adapter: Adapter, version: int, digest: str, probe: Probe | None) -> EngineResult:
+    async def _guarded(self, engine: Engine, adapter: Adapter, version: int, digest: str, probe: Probe | None) -> EngineResult:
+        """One engine's publish; whatever it raises becomes this engine's typed, reported error."""
         result = EngineResult(engine=engine.kind or type(engine).__name__, url=engine.url, status="failed")
-        state = self._state[id(engine)]
-        served = served_name(self.name, version)
+        ledger = self._ledgers[id(engine)]
         try:
-            t0 = time.perf_counter()
-            if state.caps is None:
-                state.caps = await engine.acapabilities()
-            transport, result.reason = self._choose(engine, state.caps, adapter)
-            result.transport = transport.name
-            fresh = not state.synced
-            await self._sync_versions(engine, state)
-            if transport.versioned and not fresh and self._unchanged(state, transport, version, digest):
-                # About to move nothing on the strength of memory: ask the engine, which may have
-                # restarted (and forgotten every adapter) since this publisher last looked.
-                state.synced = False
-                await self._sync_versions(engine, state)
-            if self._unchanged(state, transport, version, digest):
-                # The identical adapter is served under its earlier version's name: report that
-                # name, since name@v<version> was not (and need not be) loaded.
-                current = served_name(self.name, max(state.versions)) if transport.versioned else ""
-                result.status, result.served_name = "unchanged", current
-                result.reason = f"already serving identical content ({digest[:12]}); nothing moved"
-                return result
-            self._check_monotonic(state, transport, version, digest)
-            if transport.versioned:
-                result.retired = await self._check_capacity(engine, transport, state)
-            result.timings["preflight"] = time.perf_counter() - t0
-
-            delivery = await transport.deliver(adapter, engine, state.caps, name=self.name, version=version, served=served)
-            result.timings.update(delivery.timings)
-            result.bytes_moved = delivery.bytes_moved
-            result.served_name = delivery.served_name
-            if transport.versioned:
-                state.versions[version] = digest
-            else:
-                state.merged = (version, digest)
-
-            if probe is not None:
-                t0 = time.perf_counter()
-                await self._verify(engine, transport, probe, served if transport.versioned else None, state, version)
-                result.timings["verify"] = time.perf_counter() - t0
-                result.reason += "; verified through the engine"
-            if transport.versioned:
-                t0 = time.perf_counter()
-                await self._settle(engine, transport, state, version, served)
-                result.retired += await self._retire(engine, transport, state)
-                result.timings["retire"] = time.perf_counter() - t0
-            result.status = "loaded"
+            await self._publish_one(engine, ledger, result, adapter, version, digest, probe)
         except LoraSyncError as exc:
             result.error = exc
-            state.caps = None  # re-probe next time: the engine may have restarted
-            state.synced = False
         except Exception as exc:  # a bug or an untranslated foreign error: report it, typed
             err = EngineError(
                 f"{result.engine} at {engine.url or '(in-process)'} failed unexpectedly: {type(exc).__name__}: {exc}",
                 engine=result.engine,
                 url=engine.url,
-                adapter=served,
+                adapter=served_name(self.name, version),
             )
             err.__cause__ = exc
             result.error = err
-            state.caps = None
-            state.synced = False
+        if result.error is not None:
+            self._handles[id(engine)].forget_caps()  # re-probe next time: the engine may have restarted
+            ledger.synced = False
         return result
 
-    async def _publish_in_place(self, engine: Engine, adapter: Adapter, version: int, digest: str, probe: Probe | None) -> EngineResult:
-        """One engine, in-place mode: ``name`` switches atomically to the new weights."""
-        result = EngineResult(engine=engine.kind or type(engine).__name__, url=engine.url, status="failed", served_name=self.name)
-        state = self._state[id(engine)]
-        try:
-            t0 = time.perf_counter()
-            caps = state.caps = state.caps or await engine.acapabilities()
-            if not caps.load_inplace:
-                raise CapabilityError(
-                    f"{caps.engine} at {caps.url or '?'} cannot swap an adapter in place safely; publish versioned "
-                    "names (in_place=False, the default)",
-                    engine=caps.engine,
-                    url=caps.url,
-                )
-            engine.check_adapter(adapter, caps)
-            previous = state.in_place
-            if previous is not None and previous[1] == digest and previous[0] <= version:
-                result.status, result.reason = "unchanged", f"already serving identical content ({digest[:12]}); nothing moved"
-                return result
-            if previous is not None and version <= previous[0]:
-                raise StaleVersionError(
-                    f"{self.name} v{version} would replace v{previous[0]}; versions must increase. Nothing was changed.",
-                    adapter=self.name,
-                    version=version,
-                    newest=previous[0],
-                )
-            result.timings["preflight"] = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            if self.transport == "disk" or (self.transport == "auto" and not (caps.in_process and caps.tensor_load)):
-                path, _, write_s = await self._disk.write(adapter, self.name, version)
-                result.timings["write"] = write_s
-                t0 = time.perf_counter()
-                await engine.areplace_adapter(self.name, path)
-                result.transport, result.bytes_moved = "disk", adapter.nbytes
-            else:
-                await engine.areplace_adapter_tensors(self.name, adapter)
-                result.transport, result.bytes_moved = "ipc", adapter.nbytes
-            result.timings["load"] = time.perf_counter() - t0
-            result.reason = "in place: the name switched atomically"
-            if probe is not None:
-                t0 = time.perf_counter()
-                ids, logprobs = await engine.agreedy(self.name, list(probe.prompt_ids), len(probe.expected_ids))
-                why = probe.mismatch(ids, logprobs)
-                if why is not None:
-                    if previous is not None:  # put the previous weights back
-                        await engine.areplace_adapter_tensors(self.name, previous[2])
-                    raise VerificationError(
-                        f"{engine.kind} does not reproduce the trainer's probe for {self.name} v{version}: {why}; "
-                        + ("the previous version was put back" if previous is not None else "nothing served before it"),
-                        engine=engine.kind,
-                        url=engine.url,
-                        adapter=self.name,
-                    )
-                result.timings["verify"] = time.perf_counter() - t0
-                result.reason += "; verified through the engine"
-            state.in_place = (version, digest, adapter)
-            result.status = "loaded"
-        except LoraSyncError as exc:
-            result.error = exc
-            state.caps = None
-        return result
-
-    def _choose(self, engine: Engine, caps: Capabilities, adapter: Adapter) -> tuple[Transport, str]:
-        candidates: dict[str, Transport | None] = {"disk": self._disk, "ipc": self._ipc, "merged": self._merged}
-        if self.transport != "auto":
-            chosen = candidates[self.transport]
-            if chosen is None:
-                raise ConfigError("transport='merged' needs base= (the pristine base checkpoint or BaseWeights)")
-            why = chosen.unsupported(caps)
-            if why is not None:
-                raise CapabilityError(f"transport {self.transport!r} cannot serve {caps.engine} at {caps.url or '?'}: {why}", engine=caps.engine, url=caps.url)
-            if chosen.versioned:
-                engine.check_adapter(adapter, caps)
-            return chosen, "requested"
-        lora_refusal: LoraSyncError | None = None
-        try:
-            engine.check_adapter(adapter, caps)
-        except (AdapterRejectedError, LoraNotEnabledError) as exc:
-            lora_refusal = exc
-        if lora_refusal is None:
-            order = ("ipc", "disk") if caps.in_process else ("disk", "ipc")
-            for name in order:
-                transport = candidates[name]
-                assert transport is not None
-                if transport.unsupported(caps) is None:
-                    why = "in-process engine: tensors handed over directly" if name == "ipc" and caps.in_process else (
-                        "engine loads LoRA at runtime from this host's tmpfs" if name == "disk" else "engine loads adapters from shared memory"
-                    )
-                    return transport, why
-        if self._merged is not None and self._merged.unsupported(caps) is None:
-            return self._merged, f"merged fallback: {lora_refusal or 'engine cannot load this adapter at runtime'}"
-        if lora_refusal is not None:
-            raise lora_refusal
-        raise CapabilityError(
-            f"no transport can reach {caps.engine} at {caps.url or '?'}: "
-            + "; ".join(f"{n}: {t.unsupported(caps) if t else 'needs base='}" for n, t in candidates.items()),
-            engine=caps.engine,
-            url=caps.url,
-        )
-
-    async def _sync_versions(self, engine: Engine, state: _EngineState) -> None:
-        if state.synced:
-            return
-        found: dict[int, str | None] = {}
-        for served in await engine.alist_adapters():
-            parsed = parse_served_name(served)
-            if parsed is not None and parsed[0] == self.name:
-                found[parsed[1]] = state.versions.get(parsed[1]) or self.store.content_hash(self.name, parsed[1])
-        state.versions = found
-        state.synced = True
-
-    def _unchanged(self, state: _EngineState, transport: Transport, version: int, digest: str) -> bool:
-        if not transport.versioned:
-            return state.merged is not None and state.merged[1] == digest and state.merged[0] <= version
-        if not state.versions:
-            return False
-        latest = max(state.versions)
-        return latest <= version and state.versions[latest] == digest
-
-    def _check_monotonic(self, state: _EngineState, transport: Transport, version: int, digest: str) -> None:
+    async def _publish_one(self, engine: Engine, ledger: Ledger, result: EngineResult, adapter: Adapter, version: int, digest: str, probe: Probe | None) -> None:
+        handle = self._handles[id(engine)]
+        served = served_name(self.name, version)
+        t0 = time.perf_counter()
+        caps = await handle.caps()
+        transport, result.reason = choose_transport(self.transport, engine, caps, adapter, self._candidates, in_place=self._in_place)
+        result.transport = transport.name
+        if isinstance(transport, InPlaceTransport):
+            result.transport = "disk" if transport.uses_files(caps) else "ipc"
+            result.served_name = self.name
+        fresh = not ledger.synced
         if transport.versioned:
-            newest = max(state.versions, default=None)
-            newest_hash = state.versions.get(newest) if newest is not None else None
-        else:
-            newest, newest_hash = state.merged if state.merged else (None, None)
-        if newest is None:
+            await handle.sync(ledger)
+            self._files.sweep_orphans(self._engine_lists())
+        if transport.versioned and not fresh and ledger.unchanged(versioned=True, version=version, digest=digest):
+            # About to move nothing on the strength of memory: ask the engine, which may have
+            # restarted (and forgotten every adapter) since this publisher last looked.
+            ledger.synced = False
+            await handle.sync(ledger)
+        if ledger.unchanged(versioned=transport.versioned, version=version, digest=digest):
+            # The identical adapter is served under its earlier version's name: report that name.
+            result.status = "unchanged"
+            result.served_name = served_name(self.name, ledger.newest()) if transport.versioned else (self.name if self.in_place else "")  # type: ignore[arg-type]
+            result.reason = f"already serving identical content ({digest[:12]}); nothing moved"
             return
-        if version < newest or (version == newest and newest_hash != digest):
-            raise StaleVersionError(
-                f"{self.name} v{version} would replace v{newest}, which the engine already serves; versions "
-                "must increase (use the trainer step). Nothing was changed.",
-                adapter=self.name,
-                version=version,
-                newest=newest,
-            )
+        ledger.check_monotonic(self.name, versioned=transport.versioned, version=version, digest=digest)
+        if transport.versioned:
+            result.retired = await handle.make_room(ledger, self.retention, self.pinned, caps)
+        result.timings["preflight"] = time.perf_counter() - t0
 
-    async def _check_capacity(self, engine: Engine, transport: Transport, state: _EngineState) -> list[str]:
-        """Make room for one more adapter without evicting anything that must keep serving.
-
-        On an engine with a known capacity, versions that fall out of the retention window anyway
-        are retired first (never the newest one, which serves until the new version is loaded),
-        so concurrent publishers of several names never overrun the engine together. Returns
-        what was retired.
-        """
-        caps = state.caps
-        assert caps is not None
-        if caps.max_loras is None:
-            return []
-        loaded = await engine.alist_adapters()
-        retired: list[str] = []
-        doomed = sorted(state.versions)[: max(0, len(state.versions) - max(self.keep - 1, 1))]
-        while doomed:
-            old = doomed.pop(0)
-            old_served = served_name(self.name, old)
-            try:
-                await transport.retire(engine, name=self.name, version=old, served=old_served)
-            except AdapterNotFoundError:
-                pass
-            state.versions.pop(old, None)
-            retired.append(old_served)
-            loaded = [n for n in loaded if n != old_served]
-        if len(loaded) + 1 > caps.max_loras:
-            raise CapacityError(
-                f"{caps.engine} at {caps.url or '?'} already holds {len(loaded)} adapters ({', '.join(sorted(loaded)[:8])}) "
-                f"and can hold {caps.max_loras} without evicting one it serves; lower keep= (now {self.keep}), unload "
-                "adapters, or restart the engine with more slots (vLLM --max-cpu-loras/--max-loras, SGLang --max-loaded-loras)",
-                engine=caps.engine,
-                url=caps.url,
-                capacity=caps.max_loras,
-            )
-        return retired
-
-    async def _verify(self, engine: Engine, transport: Transport, probe: Probe, served: str | None, state: _EngineState, version: int) -> None:
-        ids, logprobs = await engine.agreedy(served, list(probe.prompt_ids), len(probe.expected_ids))
-        why = probe.mismatch(ids, logprobs)
-        if why is None:
-            return
-        # Take the new version out of service so the previous one keeps serving.
-        if transport.versioned and served is not None:
-            try:
-                await engine.aunload_adapter(served)
-            except AdapterNotFoundError:
-                pass
-            state.versions.pop(version, None)
-        raise VerificationError(
-            f"{engine.kind} at {engine.url or '(in-process)'} does not reproduce the trainer's probe for "
-            f"{served or 'the merged base'}: {why}. The new version was taken out of service; check scaling "
-            "(use_rslora / alpha patterns: see normalize_scaling), dtype and the base model.",
-            engine=engine.kind,
-            url=engine.url,
-            adapter=served,
-        )
-
-    async def _settle(self, engine: Engine, transport: Transport, state: _EngineState, version: int, served: str) -> None:
-        """Re-read what the engine serves once the new version is in.
-
-        The engine may have restarted (losing the new version), and other publishers of this
-        name may have loaded newer versions meanwhile; retention and file collection must work
-        from the engine's real state, not from this publisher's memory. A version that newer
-        ones already push out of the retention window is taken out of service again, so a stale
-        version never serves beside newer ones.
-
-        Raises:
-            EngineError: the engine does not list the version it just loaded.
-            StaleVersionError: ``keep`` newer versions were loaded concurrently.
-        """
-        state.synced = False
-        await self._sync_versions(engine, state)
-        if version not in state.versions and any(v > version for v in state.versions):
-            raise StaleVersionError(
-                f"{self.name} v{version} was superseded while it loaded: a concurrent publisher of v{max(state.versions)} "
-                f"already retired it from {engine.kind} at {engine.url or '(in-process)'}; use the newer version",
-                adapter=self.name,
-                version=version,
-                newest=max(state.versions),
-            )
-        if version not in state.versions:
-            state.synced = False
-            raise EngineError(
-                f"{engine.kind} at {engine.url or '(in-process)'} does not list {served} right after loading it "
-                "(it restarted or dropped the adapter); publish again",
-                engine=engine.kind,
-                url=engine.url,
-                adapter=served,
-            )
-        if version in sorted(state.versions)[-self.keep :]:
-            return
+        with_files = transport.versioned and transport.name == "disk"
+        if with_files:
+            self._files.loading(version, handle.engine_id, reloads=caps.reloads_from_path)
+        previous = ledger.in_place
         try:
-            await transport.retire(engine, name=self.name, version=version, served=served)
-        except AdapterNotFoundError:
-            pass
-        state.versions.pop(version, None)
-        newest = max(state.versions)
-        raise StaleVersionError(
-            f"{self.name} v{version} was superseded while it loaded: {engine.kind} at {engine.url or '(in-process)'} "
-            f"already serves v{newest} (published concurrently), so v{version} was taken out of service again; "
-            "use the newer version",
-            adapter=self.name,
-            version=version,
-            newest=newest,
-        )
+            delivery = await transport.deliver(adapter, engine, caps, name=self.name, version=version, served=served)
+        except BaseException:
+            if with_files:
+                self._files.released(version, handle.engine_id, reloads=caps.reloads_from_path)
+            raise
+        result.timings.update(delivery.timings)
+        result.bytes_moved = delivery.bytes_moved
+        result.served_name = delivery.served_name
+        if isinstance(transport, InPlaceTransport):
+            ledger.in_place = (version, digest, adapter)
+        elif transport.versioned:
+            ledger.versions[version] = digest
+        else:
+            ledger.merged = (version, digest)
 
-    async def _retire(self, engine: Engine, transport: Transport, state: _EngineState) -> list[str]:
-        retired = []
-        for old in sorted(state.versions)[: -self.keep]:
-            old_served = served_name(self.name, old)
-            try:
-                await transport.retire(engine, name=self.name, version=old, served=old_served)
-            except AdapterNotFoundError:
-                pass  # already gone: the goal holds
-            state.versions.pop(old, None)
-            retired.append(old_served)
-        return retired
+        if probe is not None:
+            t0 = time.perf_counter()
+            await handle.verify(ledger, transport, probe, version, previous=previous)
+            result.timings["verify"] = time.perf_counter() - t0
+            result.reason += "; verified through the engine"
+        if transport.versioned:
+            t0 = time.perf_counter()
+            await handle.settle(ledger, transport, version, self.retention, self.pinned)
+            done, result.deferred = await self._retire(engine, ledger)
+            result.retired += done
+            result.timings["retire"] = time.perf_counter() - t0
+        result.status = "loaded"
+
+    async def _retire(self, engine: Engine, ledger: Ledger, *, closing: bool = False) -> tuple[list[str], list[str]]:
+        """Unload this engine's versions outside the window whose requests drained."""
+        handle = self._handles[id(engine)]
+        in_use = await handle.in_use()
+        decision = plan(
+            ledger,
+            self.retention,
+            name_of={v: served_name(self.name, v) for v in ledger.versions},
+            in_use=in_use,
+            pins=self.pinned,
+            now=time.monotonic(),
+            closing=closing,
+        )
+        for version, why in decision.forced:
+            warnings.warn(
+                f"{served_name(self.name, version)} on {engine.kind} at {engine.url or '(in-process)'} was unloaded although "
+                f"requests still used it: {why}; its files stay until the engine stops reporting it. Pin versions that "
+                "rollouts still need (Publisher.pin / lease) or raise drain_timeout / max_deferred.",
+                RetentionWarning,
+                stacklevel=2,
+            )
+        retired = await handle.unload(ledger, decision.unload)
+        return retired, [served_name(self.name, v) for v in decision.deferred]
+
+    def _engine_lists(self) -> dict[str, set[str]]:
+        return {
+            self._handles[id(e)].engine_id: {served_name(self.name, v) for v in self._ledgers[id(e)].versions}
+            for e in self.engines
+            if self._ledgers[id(e)].synced
+        }
 
     async def _collect_files(self, current: int) -> None:
-        """Delete version directories no engine of this publisher holds: never the newest
-        ``keep`` versions, never one newer than ``current`` (concurrent publishers own those).
-
-        Best effort. It runs only when no load of this name is in flight anywhere (the store's
-        lock: loaders hold it shared from write to load) and re-lists the engines under that
-        lock, so a concurrent publisher's version is never deleted between its load and this
-        publisher's view of the engines (vLLM re-reads an evicted adapter's files).
-        """
+        """Delete this run's version directories nothing may read again (best effort)."""
         if self.in_place:
-            # In-place engines read a version's files only during the swap.
-            published = await asyncio.to_thread(self.store.versions, self.name)
-            for old in sorted(published)[: -self.keep]:
-                if old < current:
-                    await asyncio.to_thread(self.store.remove, self.name, old)
+            held: set[int] = {ledger.in_place[0] for ledger in self._ledgers.values() if ledger.in_place is not None}
+            await self._files.collect(current=current, keep=self.retention.keep, held=held, pins=self.pinned, in_use=())
             return
-        if any(not state.synced for state in self._state.values()):
+        if any(not ledger.synced for ledger in self._ledgers.values()):
             return  # an engine's view is unknown (it failed): keep every file
-        published = await asyncio.to_thread(self.store.versions, self.name)
-        window = set(sorted(published)[-self.keep :]) | {current}
-        candidates = [v for v in published if v < current and v not in window]
-        if not candidates:
-            return
-        lock = await asyncio.to_thread(self.store.lock, self.name, exclusive=True, blocking=False)
-        if lock is None:
-            return  # a load is in flight; a later publish collects
-        try:
-            held: set[int] = set()
-            for engine in self.engines:
-                for served in await engine.alist_adapters():
-                    parsed = parse_served_name(served)
-                    if parsed is not None and parsed[0] == self.name:
-                        held.add(parsed[1])
-            for version in candidates:
-                if version not in held:
-                    await asyncio.to_thread(self.store.remove, self.name, version)
-        except LoraSyncError:
-            return  # an engine failed to list or a removal failed: keep the rest for later
-        finally:
-            lock.close()
+        held = self._files.held() | {v for ledger in self._ledgers.values() for v in ledger.versions}
+        in_use: set[str] | None = set()
+        for engine in self.engines:
+            if engine is not None and self._handles[id(engine)].reloads:
+                busy = self._handles[id(engine)].last_in_use
+                in_use = None if busy is None or in_use is None else in_use | busy
+        await self._files.collect(current=current, keep=self.retention.keep, held=held, pins=self.pinned, in_use=in_use)
 
 
 def publish_adapter(
-    adapter: Adapter | nn.Module | Mapping[str, torch.Tensor],
+    adapter: AdapterLike,
     engines: Iterable[Engine | str] | Engine | str,
     *,
     name: str,
@@ -599,12 +438,14 @@ def publish_adapter(
     keep: int = 2,
     verify: Probe | None = None,
     root: str | os.PathLike[str] | None = None,
+    run: str | None = None,
     base: BaseWeights | str | os.PathLike[str] | None = None,
 ) -> PublishReport:
     """Publish ``adapter`` as ``name@v<version>`` to every engine and report what happened.
 
     Stateless: versions already loaded on each engine are read from the engine itself, so a
-    restarted trainer keeps monotonic versions and retention. For every-step use, keep a
+    restarted trainer keeps monotonic versions and retention. Calls of one process share one run
+    in the store (per root and name) unless ``run=`` says otherwise. For every-step use, keep a
     :class:`Publisher` (it caches capabilities and state).
 
     Args:
@@ -615,7 +456,7 @@ def publish_adapter(
         transport (`str`): ``"auto"``, ``"disk"``, ``"ipc"`` or ``"merged"``.
         keep (`int`): versions kept loaded per engine.
         verify (`Probe`, *optional*): checked through each engine after loading.
-        root: disk transport root. base: pristine base weights for the merged fallback.
+        root: disk transport root. run: the store run. base: pristine base weights for the merged fallback.
 
     Returns:
         `PublishReport`: ``report.served_name`` is the name to request; ``report.ok`` tells
@@ -629,15 +470,15 @@ def publish_adapter(
         >>> report.served_name
         'policy@v12'
     """
-    publisher = Publisher(engines, name=name, transport=transport, keep=keep, root=root, base=base, verify=verify)
+    publisher = Publisher(engines, name=name, transport=transport, keep=keep, root=root, run=run or _process_run(root), base=base, verify=verify)
     try:
         return publisher.publish(adapter, version=version)
     finally:
-        publisher._stop_loop()  # the caller's engine objects stay open
+        publisher._release()  # the caller's engine objects stay open
 
 
 async def apublish_adapter(
-    adapter: Adapter | nn.Module | Mapping[str, torch.Tensor],
+    adapter: AdapterLike,
     engines: Iterable[Engine | str] | Engine | str,
     *,
     name: str,
@@ -646,11 +487,31 @@ async def apublish_adapter(
     keep: int = 2,
     verify: Probe | None = None,
     root: str | os.PathLike[str] | None = None,
+    run: str | None = None,
     base: BaseWeights | str | os.PathLike[str] | None = None,
 ) -> PublishReport:
-    """Async twin of :func:`publish_adapter`."""
-    publisher = Publisher(engines, name=name, transport=transport, keep=keep, root=root, base=base, verify=verify)
-    return await publisher.apublish(adapter, version=version)
+    """Async twin of :func:`publish_adapter`. Engines given as specs are closed before it returns."""
+    specs = [engines] if isinstance(engines, (Engine, str)) else list(engines)
+    publisher = Publisher(specs, name=name, transport=transport, keep=keep, root=root, run=run or _process_run(root), base=base, verify=verify)
+    try:
+        return await publisher.apublish(adapter, version=version)
+    finally:
+        publisher.store.close()
+        # Clients this call made from specs are its own; the caller's engine objects stay open.
+        await _aclose_all(e for e, spec in zip(publisher.engines, specs) if isinstance(spec, str))
+
+
+_RUNS: dict[str, str] = {}
+_RUNS_GUARD = threading.Lock()
+
+
+def _process_run(root: str | os.PathLike[str] | None) -> str:
+    """One run per process and root for the stateless calls (their versions retire each other)."""
+    from lorasync.transports._store import default_root, new_run_id
+
+    key = os.path.abspath(os.fspath(root)) if root is not None else str(default_root())
+    with _RUNS_GUARD:
+        return _RUNS.setdefault(key, new_run_id())
 
 
 async def _aclose_all(engines: Iterable[Engine]) -> None:
@@ -658,35 +519,17 @@ async def _aclose_all(engines: Iterable[Engine]) -> None:
         await engine.aclose()
 
 
-class _LoopThread:
-    """An event loop in a daemon thread, started on first use; sync code submits coroutines.
-
-    Works whether or not the caller's thread already runs a loop (notebooks, async trainers).
-    """
-
-    def __init__(self) -> None:
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._guard = threading.Lock()
-
-    def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        with self._guard:
-            if self._loop is None:
-                loop = asyncio.new_event_loop()
-                thread = threading.Thread(target=loop.run_forever, name="lorasync-publisher", daemon=True)
-                thread.start()
-                self._loop, self._thread = loop, thread
-            loop = self._loop
-        return asyncio.run_coroutine_threadsafe(coro, loop).result()
-
-    @property
-    def running(self) -> bool:
-        return self._loop is not None
-
-    def stop(self) -> None:
-        with self._guard:
-            loop, thread, self._loop, self._thread = self._loop, self._thread, None, None
-        if loop is not None and thread is not None:
-            loop.call_soon_threadsafe(loop.stop)
-            thread.join(timeout=10)
-            loop.close()
+@contextlib.asynccontextmanager
+async def _held(lock: threading.Lock):  # type: ignore[no-untyped-def]
+    """Hold a thread lock from async code; a cancellation while waiting never leaves it held."""
+    acquiring = asyncio.ensure_future(asyncio.to_thread(lock.acquire))
+    try:
+        await asyncio.shield(acquiring)
+    except asyncio.CancelledError:
+        # The worker thread may still get the lock after we stop waiting: give it back then.
+        acquiring.add_done_callback(lambda f: lock.release() if not f.cancelled() and f.exception() is None and f.result() else None)
+        raise
+    try:
+        yield
+    finally:
+        lock.release()

@@ -28,6 +28,7 @@ class EngineResult:
     bytes_moved: int = 0
     timings: dict[str, float] = field(default_factory=dict)
     retired: list[str] = field(default_factory=list)
+    deferred: list[str] = field(default_factory=list)  # outside the window, kept loaded: requests still use them
     error: LoraSyncError | None = None
 
     @property
@@ -46,6 +47,7 @@ class EngineResult:
             "bytes_moved": self.bytes_moved,
             "timings": dict(self.timings),
             "retired": list(self.retired),
+            "deferred": list(self.deferred),
             "error": None if self.error is None else {"type": type(self.error).__name__, "message": str(self.error)},
         }
 
@@ -115,6 +117,8 @@ class PublishReport:
         for r in self.results:
             total = sum(r.timings.values()) * 1000
             detail = str(r.error) if r.error is not None else r.reason
+            if r.deferred:
+                detail += f"; deferred (requests still use them): {', '.join(r.deferred)}"
             lines.append(
                 f"  {r.engine:<8} {r.url[:28]:<28} {r.status:<9} {r.transport or '-':<9} {r.bytes_moved:>10} {total:>8.1f}  {detail}"
             )

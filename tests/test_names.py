@@ -45,8 +45,9 @@ def test_good_names_and_served_round_trip(tmp_path):
     for name in ("policy", "math-v2", "code_agent.7", "A1"):
         assert validate_name(name) == name
         assert parse_served_name(served_name(name, 12)) == (name, 12)
-        path = DiskStore(tmp_path).path_for(name, 12)
-        assert path.parent.parent == tmp_path and path.name == "v12"
+        store = DiskStore(tmp_path)
+        path = store.path_for(name, 12)
+        assert path.parent.parent.parent == tmp_path and path.parent.name == store.run and path.name == "v12"
     assert validate_version("7") == 7
     assert parse_served_name("tiny") is None
     assert parse_served_name("../x@v1") is None

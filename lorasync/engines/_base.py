@@ -51,6 +51,9 @@ class Capabilities:
     load_inplace: bool = False  # replace_adapter swaps one name atomically and safely
     same_host: bool = True  # shares this host's filesystem / shared memory
     in_process: bool = False  # lives in this Python process (tensors hand over directly)
+    # Re-reads a registered adapter from its path when it was evicted (vLLM's LRU): no hard slot
+    # limit, but the files must outlive every request that may need them.
+    reloads_from_path: bool = False
     fused_modules: tuple[tuple[str, ...], ...] = ()  # leaf groups stored as one weight (merged updates send whole groups)
     notes: tuple[str, ...] = field(default=())
 

@@ -10,10 +10,11 @@ a fixed number of them, and can be told to fail the next call of an operation.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import os
 import threading
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -132,6 +133,11 @@ class FakeEngine(Engine):
         """``handler("load_adapter_tensors", name=name, adapter=adapter)``."""
         self._call("load_adapter_tensors", name=name, adapter=adapter)
 
+    def adapters_in_use(self) -> frozenset[str] | None:
+        """``handler("adapters_in_use")`` as a frozenset (None → no request runs)."""
+        result = self._call("adapters_in_use")
+        return frozenset(result) if result is not None else frozenset()
+
     def update_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> None:
         """``handler("update_weights", named_tensors=named_tensors)``."""
         self._call("update_weights", named_tensors=named_tensors)
@@ -153,6 +159,10 @@ class FakeEngine(Engine):
 
     async def alist_adapters(self) -> list[str]:
         return list(await self._acall("list_adapters") or [])
+
+    async def aadapters_in_use(self) -> frozenset[str] | None:
+        result = await self._acall("adapters_in_use")
+        return frozenset(result) if result is not None else frozenset()
 
     async def aload_adapter_tensors(self, name: str, adapter: Adapter) -> None:
         await self._acall("load_adapter_tensors", name=name, adapter=adapter)
@@ -227,8 +237,32 @@ class MemoryEngine(Engine):
         self.weights: dict[str, torch.Tensor] = {}
         self.ops: list[str] = []
         self._lock = threading.RLock()
+        self._requests: dict[str, int] = {}
 
     # -- test controls -------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def request(self, name: str) -> Iterator[Adapter]:
+        """Simulate a request running on adapter ``name`` for the ``with`` block (it shows in
+        :meth:`adapters_in_use`); yields the adapter it runs on.
+
+        Raises:
+            AdapterNotFoundError: ``name`` is not loaded.
+        """
+        with self._lock:
+            if name not in self._adapters:
+                raise AdapterNotFoundError(f"adapter {name!r} is not loaded; loaded: {sorted(self._adapters)}", engine=self.kind, adapter=name)
+            self._requests[name] = self._requests.get(name, 0) + 1
+            adapter = self._adapters[name]
+        try:
+            yield adapter
+        finally:
+            with self._lock:
+                left = self._requests[name] - 1
+                if left:
+                    self._requests[name] = left
+                else:
+                    del self._requests[name]
 
     def fail_next(self, op: str, error: BaseException, *, times: int = 1) -> None:
         """Make the next ``times`` calls of ``op`` (e.g. ``"load_adapter"``) raise ``error``
@@ -308,6 +342,11 @@ class MemoryEngine(Engine):
         with self._lock:
             self._enter("list_adapters")
             return list(self._adapters)
+
+    def adapters_in_use(self) -> frozenset[str]:
+        """Names with a :meth:`request` running (exact: this engine sees every request)."""
+        with self._lock:
+            return frozenset(self._requests)
 
     def update_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> None:
         with self._lock:

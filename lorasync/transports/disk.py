@@ -1,4 +1,5 @@
-"""Disk transport: an atomic versioned directory (tmpfs by default) the engine loads by path."""
+"""Disk transport: an atomic versioned directory of the publisher's run (tmpfs by default) that the
+engine loads by path."""
 
 from __future__ import annotations
 
@@ -45,15 +46,10 @@ class DiskTransport(Transport):
             return str(path), written, time.perf_counter() - start
 
     async def deliver(self, adapter: Adapter, engine: Engine, caps: Capabilities, *, name: str, version: int, served: str) -> Delivery:
-        # Shared store lock from write to load: no publisher collects this version meanwhile.
-        lock = await asyncio.to_thread(self.store.lock, name, exclusive=False)
-        try:
-            path, written, write_s = await self.write(adapter, name, version)
-            start = time.perf_counter()
-            await engine.aload_adapter(served, path)
-            load_s = time.perf_counter() - start
-        finally:
-            if lock is not None:
-                lock.close()
-        size = sum(f.stat().st_size for f in self.store.path_for(name, version).iterdir())
-        return Delivery(served_name=served, bytes_moved=size, path=path, timings={"write": write_s, "load": load_s})
+        # The version's directory belongs to this publisher's run: no other publisher collects it.
+        path, written, write_s = await self.write(adapter, name, version)
+        start = time.perf_counter()
+        await engine.aload_adapter(served, path)
+        load_s = time.perf_counter() - start
+        size = sum(f.stat().st_size for f in self.store.path_for(name, version).iterdir() if not f.name.startswith("."))
+        return Delivery(served_name=served, bytes_moved=size, timings={"write": write_s, "load": load_s})

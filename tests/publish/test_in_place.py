@@ -20,7 +20,7 @@ def test_in_place_serves_each_version_under_one_name(transport, trainer, peft_en
         assert report.served_name == "policy" and peft_engine.list_adapters() == ["policy"]
         assert [peft_engine.greedy("policy", p, 6)[0] for p in PROMPTS] == [reference(model, p) for p in PROMPTS]
     if transport == "disk":
-        assert sorted(p.name for p in (tmp_path / "policy").iterdir() if not p.name.startswith(".")) == ["v3"]
+        assert sorted(p.name for p in pub.store.run_dir("policy").iterdir() if p.is_dir() and not p.name.startswith(".")) == ["v3"]
     with pytest.raises(StaleVersionError):
         pub.publish(export(trainer(seed=84)), version=2).raise_for_errors()
 

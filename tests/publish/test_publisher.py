@@ -32,8 +32,11 @@ def adapters(trainer):
 
 
 def dirs(root, name):
+    """Version directories of ``name`` on disk, over every run under ``root``."""
     path = root / name
-    return sorted(p.name for p in path.iterdir()) if path.exists() else []
+    if not path.exists():
+        return []
+    return sorted(v.name for run in path.iterdir() if run.is_dir() for v in run.iterdir() if v.is_dir() and not v.name.startswith("."))
 
 
 def test_retention_keeps_only_keep_versions_loaded_and_on_disk(adapters, tmp_path):

@@ -24,7 +24,7 @@ def test_write_is_complete_and_loadable(tmp_path):
     store = DiskStore(tmp_path)
     ad = _adapter()
     path, written = store.write(ad, "policy", 3)
-    assert path == tmp_path / "policy" / "v3" and written > ad.nbytes
+    assert path == tmp_path / "policy" / store.run / "v3" and written > ad.nbytes
     assert sorted(os.listdir(path)) == ["adapter_config.json", "adapter_model.safetensors", "lorasync.json"]
     again = Adapter.load(path)
     assert again.content_hash == ad.content_hash
@@ -38,22 +38,24 @@ def test_versions_are_immutable_and_idempotent(tmp_path):
     assert store.write(_adapter(0), "p", 1)[1] == 0  # identical: nothing written
     with pytest.raises(PublishError, match="immutable"):
         store.write(_adapter(1), "p", 1)
-    assert Adapter.load(tmp_path / "p" / "v1").content_hash == _adapter(0).content_hash
+    assert Adapter.load(tmp_path / "p" / store.run / "v1").content_hash == _adapter(0).content_hash
 
 
 def test_remove_and_sweep_leftovers_of_dead_writers(tmp_path):
-    store = DiskStore(tmp_path)
-    store.write(_adapter(0), "p", 1)
-    # A publisher killed mid-write leaves a temp dir named with its (dead) pid.
-    dead = tmp_path / "p" / ".tmp-v2-999999999-deadbeef"
-    dead.mkdir()
+    # A writer killed mid-write in its own run leaves a temp dir; whoever owns the run next
+    # (a resumed run) clears it before writing.
+    dead = tmp_path / "p" / "resumed" / ".tmp-v2-deadbeef"
+    dead.mkdir(parents=True)
     (dead / "adapter_model.safetensors").write_bytes(b"partial")
+    store = DiskStore(tmp_path, run="resumed")
+    store.write(_adapter(0), "p", 1)
+    assert not dead.exists()
     assert store.versions("p") == [1]
     store.write(_adapter(1), "p", 2)
-    assert not dead.exists()
     store.remove("p", 1)
     assert store.versions("p") == [2]
-    assert sorted(e.name for e in (tmp_path / "p").iterdir()) == ["v2"]
+    assert sorted(e.name for e in store.run_dir("p").iterdir() if not e.name.startswith(".")) == ["run.json", "v2"]
+    store.close()
 
 
 def test_write_failure_leaves_no_visible_version(tmp_path, monkeypatch):
@@ -69,4 +71,6 @@ def test_write_failure_leaves_no_visible_version(tmp_path, monkeypatch):
         store.write(_adapter(), "p", 1)
     monkeypatch.undo()
     assert store.versions("p") == []
-    assert not (tmp_path / "p" / "v1").exists()
+    assert not store.path_for("p", 1).exists()
+    # Nothing half-written is left behind either (a full disk must not fill up with temp dirs).
+    assert [e.name for e in store.run_dir("p").iterdir() if e.name.startswith(".tmp-")] == []

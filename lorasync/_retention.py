@@ -1,0 +1,192 @@
+"""Retention: which versions each engine keeps, and when an old one may leave — the version ledger.
+
+A publisher keeps, per engine, a :class:`Ledger`: the versions the engine serves (with their
+content hashes), versions that left the retention window but still had requests (``deferred``),
+and what it merged or swapped in place. :class:`Retention` is the policy as one value object;
+:func:`plan` is the pure decision the publisher acts on, so the rules are testable without I/O.
+
+The rules (design invariant 5: no version leaves an engine, and no file leaves the store, while a
+request on it may still run or an engine may still reload it):
+
+* The window is the ``keep`` newest loaded versions, every pinned version, and every version
+  within ``max_staleness`` of the newest. Nothing in the window is ever unloaded.
+* A version outside the window is unloaded only when the engine reports no running or waiting
+  request on it (:meth:`lorasync.engines.Engine.adapters_in_use`). An engine that cannot tell is
+  given ``grace`` seconds from the moment the version left the window.
+* A version still in use is *deferred*: it stays loaded and is retried on the next publish, on
+  :meth:`Publisher.collect` and on close. After ``drain_timeout`` seconds, or when more than
+  ``max_deferred`` versions wait, the oldest is unloaded anyway with a :class:`RetentionWarning`
+  — never an unbounded pile of loaded adapters. (Its files still stay until the engine stops
+  reporting it, so a request the engine reloads it for keeps its weights.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lorasync.errors import ConfigError, LoraSyncWarning, StaleVersionError
+
+__all__ = ["Ledger", "Plan", "Retention", "RetentionWarning", "plan"]
+
+
+class RetentionWarning(LoraSyncWarning):
+    """A version was unloaded although requests still used it (drain timeout or bound hit)."""
+
+
+@dataclass(frozen=True)
+class Retention:
+    """How many versions stay loaded, and how old ones drain.
+
+    Args:
+        keep (`int`, defaults to 2): newest versions each engine keeps loaded (at least 1).
+        grace (`float`, defaults to 1.0): seconds an engine that cannot report in-flight requests
+            keeps a version after it left the window; also how long a version's files outlive its
+            unload on engines that reload adapters from their path (vLLM).
+        drain_timeout (`float | None`, defaults to 600): seconds a version may stay deferred
+            before it is unloaded anyway (with a warning); None waits for ever.
+        max_deferred (`int`, defaults to 8): deferred versions per engine before the oldest is
+            unloaded anyway (with a warning).
+        max_staleness (`int | None`): versions within this distance of the newest are never
+            retired (an off-policy window: ``max_staleness=4`` keeps v(N-4)..vN while vN is newest).
+    """
+
+    keep: int = 2
+    grace: float = 1.0
+    drain_timeout: float | None = 600.0
+    max_deferred: int = 8
+    max_staleness: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.keep, bool) or not isinstance(self.keep, int) or self.keep < 1:
+            raise ConfigError(f"keep must be an int >= 1 (versions kept loaded per engine), got {self.keep!r}")
+        if not isinstance(self.grace, (int, float)) or self.grace < 0:
+            raise ConfigError(f"grace must be a number of seconds >= 0, got {self.grace!r}")
+        if self.drain_timeout is not None and (not isinstance(self.drain_timeout, (int, float)) or self.drain_timeout < 0):
+            raise ConfigError(f"drain_timeout must be seconds >= 0 or None, got {self.drain_timeout!r}")
+        if isinstance(self.max_deferred, bool) or not isinstance(self.max_deferred, int) or self.max_deferred < 0:
+            raise ConfigError(f"max_deferred must be an int >= 0, got {self.max_deferred!r}")
+        if self.max_staleness is not None and (isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int) or self.max_staleness < 0):
+            raise ConfigError(f"max_staleness must be an int >= 0 or None, got {self.max_staleness!r}")
+
+    def window(self, loaded: list[int], pins: set[int] | frozenset[int]) -> set[int]:
+        """The versions of ``loaded`` that must stay: newest ``keep``, pinned, and not too stale."""
+        ordered = sorted(loaded)
+        kept = set(ordered[-self.keep :]) | (set(ordered) & set(pins))
+        if self.max_staleness is not None and ordered:
+            newest = ordered[-1]
+            kept |= {v for v in ordered if newest - v <= self.max_staleness}
+        return kept
+
+
+@dataclass
+class Ledger:
+    """What a publisher knows about one engine (mutable; the publisher's lock guards it)."""
+
+    synced: bool = False  # ``versions`` was read from the engine since the last failure
+    versions: dict[int, str | None] = field(default_factory=dict)  # loaded version -> content hash (None: unknown)
+    left_window: dict[int, float] = field(default_factory=dict)  # version -> when it left the window
+    merged: tuple[int, str] | None = None  # (version, hash) merged into the base
+    in_place: tuple[int, str, object] | None = None  # (version, hash, adapter) served in place
+
+    def newest(self) -> int | None:
+        return max(self.versions, default=None)
+
+    def forget(self, version: int) -> None:
+        self.versions.pop(version, None)
+        self.left_window.pop(version, None)
+
+    def unchanged(self, *, versioned: bool, version: int, digest: str) -> bool:
+        """The engine already serves identical content at ``version`` or below: nothing to move."""
+        if not versioned:
+            current = self.merged if self.merged is not None else (self.in_place[:2] if self.in_place else None)
+            return current is not None and current[1] == digest and current[0] <= version
+        newest = self.newest()
+        return newest is not None and newest <= version and self.versions[newest] == digest
+
+    def check_monotonic(self, name: str, *, versioned: bool, version: int, digest: str) -> None:
+        """Refuse a version that would replace a newer (or the same, with other content) one.
+
+        Raises:
+            StaleVersionError: with the newest version the engine serves.
+        """
+        if versioned:
+            newest = self.newest()
+            newest_hash = self.versions.get(newest) if newest is not None else None
+        else:
+            current = self.merged if self.merged is not None else (self.in_place[:2] if self.in_place else None)
+            newest, newest_hash = current if current is not None else (None, None)
+        if newest is None:
+            return
+        if version < newest or (version == newest and newest_hash != digest):
+            raise StaleVersionError(
+                f"{name} v{version} would replace v{newest}, which the engine already serves; versions "
+                "must increase (use the trainer step). Nothing was changed.",
+                adapter=name,
+                version=version,
+                newest=newest,
+            )
+
+
+@dataclass
+class Plan:
+    """What to do with the versions outside the window: ``unload`` now, or leave ``deferred``."""
+
+    unload: list[int] = field(default_factory=list)
+    deferred: list[int] = field(default_factory=list)
+    forced: list[tuple[int, str]] = field(default_factory=list)  # (version, why) unloaded although in use
+
+
+def plan(
+    ledger: Ledger,
+    policy: Retention,
+    *,
+    name_of: dict[int, str],
+    in_use: frozenset[str] | None,
+    pins: set[int] | frozenset[int],
+    now: float,
+    closing: bool = False,
+) -> Plan:
+    """Decide, without I/O, which loaded versions outside the window leave now.
+
+    Args:
+        ledger (`Ledger`): the engine's versions; ``left_window`` is updated (first time a version
+            is seen outside the window).
+        policy (`Retention`): the rules.
+        name_of (`dict[int, str]`): served name of each version.
+        in_use (`frozenset[str] | None`): served names with running or waiting requests; None when
+            the engine cannot tell.
+        pins (`set[int]`): versions that must stay.
+        now (`float`): monotonic time.
+        closing (`bool`): the publisher is closing (deferral bounds still apply).
+
+    Returns:
+        `Plan`: versions to unload (oldest first) and versions deferred.
+    """
+    window = policy.window(list(ledger.versions), pins)
+    out = sorted(v for v in ledger.versions if v not in window)
+    for v in list(ledger.left_window):
+        if v not in out:
+            del ledger.left_window[v]  # back in the window (pinned again) or gone
+    result = Plan()
+    waiting: list[int] = []
+    for v in out:
+        since = ledger.left_window.setdefault(v, now)
+        if in_use is None:
+            busy = (now - since) < policy.grace and not closing
+        else:
+            busy = name_of[v] in in_use
+        if not busy:
+            result.unload.append(v)
+            continue
+        if policy.drain_timeout is not None and now - since >= policy.drain_timeout:
+            result.unload.append(v)
+            result.forced.append((v, f"still in use {now - since:.0f} s after it left the window (drain_timeout={policy.drain_timeout:g} s)"))
+            continue
+        waiting.append(v)
+    while len(waiting) > policy.max_deferred:
+        v = waiting.pop(0)
+        result.unload.append(v)
+        result.forced.append((v, f"more than max_deferred={policy.max_deferred} versions were waiting for their requests"))
+    result.unload.sort()
+    result.deferred = waiting
+    return result
