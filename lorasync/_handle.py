@@ -48,6 +48,10 @@ class EngineHandle:
     def reloads(self) -> bool:
         return bool(self._caps is not None and self._caps.reloads_from_path)
 
+    @property
+    def drains(self) -> bool:
+        return bool(self._caps is not None and self._caps.unload_drains)
+
     async def caps(self) -> Capabilities:
         if self._caps is None:
             self._caps = await self.engine.acapabilities()
@@ -102,15 +106,13 @@ class EngineHandle:
         if caps.max_loras is None or caps.reloads_from_path:
             return []
         loaded = await self.engine.alist_adapters()
-        if len(loaded) + 1 <= caps.max_loras:
-            return []
-        # After the new version loads, the window moves: versions it pushes out may go now.
+        # After the new version loads, the window moves: versions it pushes out go now, before the
+        # load, so concurrent publishers of several names never overrun the engine together.
         future = dict.fromkeys(ledger.versions) | {max(ledger.versions, default=-1) + 1: None}
         window = policy.window(list(future), pins)
         busy = await self.in_use()
         early = [v for v in sorted(ledger.versions) if v not in window and (busy is None or served_name(self.name, v) not in busy)]
-        needed = len(loaded) + 1 - caps.max_loras
-        if len(early) < needed:
+        if len(loaded) - len(early) + 1 > caps.max_loras:
             others = sorted(n for n in loaded if (parse_served_name(n) or ("", 0))[0] != self.name)
             advice = []
             if caps.max_loras <= policy.keep:
@@ -129,7 +131,7 @@ class EngineHandle:
                 url=caps.url,
                 capacity=caps.max_loras,
             )
-        return await self.unload(ledger, early[:needed])
+        return await self.unload(ledger, early)
 
     async def unload(self, ledger: Ledger, versions: list[int]) -> list[str]:
         """Unload ``versions`` (oldest first); returns their served names."""

@@ -392,6 +392,7 @@ class Publisher:
             pins=self.pinned,
             now=time.monotonic(),
             closing=closing,
+            drains=handle.drains,
         )
         for version, why in decision.forced:
             warnings.warn(

@@ -145,6 +145,7 @@ def plan(
     pins: set[int] | frozenset[int],
     now: float,
     closing: bool = False,
+    drains: bool = False,
 ) -> Plan:
     """Decide, without I/O, which loaded versions outside the window leave now.
 
@@ -158,6 +159,7 @@ def plan(
         pins (`set[int]`): versions that must stay.
         now (`float`): monotonic time.
         closing (`bool`): the publisher is closing (deferral bounds still apply).
+        drains (`bool`): the engine's own unload waits for its requests (no grace needed).
 
     Returns:
         `Plan`: versions to unload (oldest first) and versions deferred.
@@ -172,7 +174,7 @@ def plan(
     for v in out:
         since = ledger.left_window.setdefault(v, now)
         if in_use is None:
-            busy = (now - since) < policy.grace and not closing
+            busy = (now - since) < policy.grace and not closing and not drains
         else:
             busy = name_of[v] in in_use
         if not busy:

@@ -54,6 +54,9 @@ class Capabilities:
     # Re-reads a registered adapter from its path when it was evicted (vLLM's LRU): no hard slot
     # limit, but the files must outlive every request that may need them.
     reloads_from_path: bool = False
+    # Its unload waits for the requests running on that adapter (SGLang 0.5.23): an engine that
+    # cannot report requests in flight needs no grace period then.
+    unload_drains: bool = False
     fused_modules: tuple[tuple[str, ...], ...] = ()  # leaf groups stored as one weight (merged updates send whole groups)
     notes: tuple[str, ...] = field(default=())
 

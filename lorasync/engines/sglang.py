@@ -413,6 +413,7 @@ class SGLangEngine(HTTPEngine):
             tensor_load=lora and version >= _TENSOR_ROUTE_SINCE,
             weight_update=True,
             load_inplace=False,
+            unload_drains=True,  # SGLang 0.5.23 answers an unload only once its requests finished
             same_host=host in ("127.0.0.1", "localhost", "::1"),
             notes=tuple(notes),
         )

@@ -396,6 +396,7 @@ class VLLMEngine(HTTPEngine):
             tensor_load=extension,
             weight_update=extension,
             load_inplace=False,
+            reloads_from_path=True,  # the worker LRU re-reads an evicted adapter from its path
             same_host=self.same_host,
             fused_modules=FUSED_MODULES,
             notes=tuple(notes),

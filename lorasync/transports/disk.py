@@ -51,5 +51,5 @@ class DiskTransport(Transport):
         start = time.perf_counter()
         await engine.aload_adapter(served, path)
         load_s = time.perf_counter() - start
-        size = sum(f.stat().st_size for f in self.store.path_for(name, version).iterdir() if not f.name.startswith("."))
+        size = sum(f.stat().st_size for f in self.store.path_for(name, version).iterdir())
         return Delivery(served_name=served, bytes_moved=size, timings={"write": write_s, "load": load_s})

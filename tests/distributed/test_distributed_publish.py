@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 import struct
+from pathlib import Path
 
 import pytest
+
 import torch
 from _dist_publish_worker import make_adapter, run_memory
 from safetensors.torch import load, load_file
@@ -70,11 +72,13 @@ def test_every_node_serves_the_source_adapter_bit_for_bit(out):
             for i, url in enumerate(urls):
                 # keep=1: the new version only, loaded from this node's own root
                 assert list(listing[url]) == [f"policy@v{version}"]
-                assert listing[url][f"policy@v{version}"] == str(out / f"root-node{node}" / "policy" / f"v{version}")
+                loaded_from = Path(listing[url][f"policy@v{version}"])  # <root>/<name>/<run>/vN of this node's leader
+                assert loaded_from.parent.parent == out / f"root-node{node}" / "policy" and loaded_from.name == f"v{version}"
                 assert_bit_exact(served_tensors(out, tag, node, i, f"policy@v{version}"), make_adapter(seed, dtype))
     # Separate roots: each node's root holds only what its own leader wrote.
     for node in ENGINES:
-        assert sorted(p.name for p in (out / f"root-node{node}" / "policy").iterdir()) == ["v5"]
+        runs = list((out / f"root-node{node}" / "policy").iterdir())
+        assert len(runs) == 1 and sorted(p.name for p in runs[0].iterdir() if p.is_dir()) == ["v5"]
 
 
 def test_engine_down_on_one_node_is_reported_and_the_rest_load(out):

@@ -366,6 +366,10 @@ class FaultServer:
                 return _json({"version": "0.32.0"})
             if key == ("GET", "/v1/load_lora_adapter"):
                 return 405, b'{"detail":"Method Not Allowed"}', "application/json"
+            if key == ("GET", "/metrics"):
+                # vLLM 0.32's gauge of adapters with requests: this peer runs none.
+                gauge = f'vllm:lora_requests_info{{max_lora="4",running_lora_adapters="",waiting_lora_adapters=""}} {time.time()}\n'
+                return 200, gauge.encode(), "text/plain; version=0.0.4; charset=utf-8"
         else:
             if key == ("GET", "/server_info"):
                 return _json({

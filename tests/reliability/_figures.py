@@ -26,6 +26,9 @@ ROWS = (
     ("hostile", "hostile inputs tried"),
     ("hostile_rejected", "  ... rejected with the expected typed error"),
     ("vllm_restart", "real vLLM killed before verify, recovered"),
+    ("inflight_requests", "real vLLM, 1 slot: requests decoding across publishes"),
+    ("inflight_lost", "  in-flight requests lost"),
+    ("engine_deaths", "  engine deaths caused"),
 )
 
 

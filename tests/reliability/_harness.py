@@ -156,17 +156,17 @@ def expected(case: FaultCase) -> tuple[str, str | None, int, list[int]]:
         if f == "json200err":
             return "failed", "EngineProtocolError" if p == "vllm" else "AdapterRejectedError", 1, [1]
         return "failed", "EngineError" if p == "vllm" else "AdapterRejectedError", 1, [1]  # 500 (SGLang's envelope)
-    if ph == "models":  # read by the post-load check and by file collection
+    if ph == "models":  # read by the post-load check (file collection works from the ledger: the run's files are its own)
         if f in RETRYABLE:
             if once:
                 if f == "restart":  # the engine forgot v2 right after loading it
                     return "failed", "EngineError", 2, []
-                return "loaded", None, 3, [2]
+                return "loaded", None, 2, [2]
             if f == "restart":
                 return "failed", "EngineUnavailableError", ATTEMPTS, []
             return "failed", "EngineTimeoutError" if f == "hang" else "EngineUnavailableError", ATTEMPTS, [1, 2]
         if f == "restart_after":  # the list answered {v1, v2}, then the engine came back empty
-            return "loaded", None, 2, []
+            return "loaded", None, 1, []
         error = "EngineError" if (f == "500" and p == "vllm") else "EngineProtocolError"
         return "failed", error, 1, [1, 2]
     # unload (retiring v1 after v2 serves)
@@ -466,29 +466,39 @@ def run_race(publishers: int = 16, versions: int = 64, *, keep: int = 2, seed: i
 STORE_FILES = {"adapter_config.json", "adapter_model.safetensors", "lorasync.json"}
 
 
+RUN_FILES = {"run.json", ".owner.lock"}
+
+
 def scan_store(root: Path, name: str) -> tuple[list[str], int]:
-    """Check every entry of ``root/name``: each ``v<N>`` holds exactly the three files, loads,
-    and its content matches the recorded hash. Returns ``(violations, hidden garbage count)``."""
+    """Check every run of ``root/name``: each ``v<N>`` holds exactly the three files (plus the
+    holders record), loads, and its content matches the recorded hash. Returns ``(violations,
+    hidden garbage count)``."""
     from ._faultserver import _read_version
 
     violations, garbage = [], 0
     base = root / name
     if not base.is_dir():
         return violations, 0
-    for entry in sorted(base.iterdir()):
-        if entry.name.startswith((".tmp-", ".trash-")):
-            garbage += 1
+    for run in sorted(base.iterdir()):
+        if not run.is_dir():
+            violations.append(f"unexpected entry {run.name}")
             continue
-        if not (entry.name.startswith("v") and entry.name[1:].isdigit()):
-            violations.append(f"unexpected entry {entry.name}")
-            continue
-        files = {p.name for p in entry.iterdir()}
-        if files != STORE_FILES:
-            violations.append(f"{entry.name} is incomplete: {sorted(files)}")
-            continue
-        problem, _ = _read_version(entry)
-        if problem is not None:
-            violations.append(f"{entry.name}: {problem}")
+        for entry in sorted(run.iterdir()):
+            if entry.name.startswith((".tmp-", ".trash-")):
+                garbage += 1
+                continue
+            if entry.name in RUN_FILES:
+                continue
+            if not (entry.name.startswith("v") and entry.name[1:].isdigit()):
+                violations.append(f"unexpected entry {run.name}/{entry.name}")
+                continue
+            files = {p.name for p in entry.iterdir()} - {".holders.json"}
+            if files != STORE_FILES:
+                violations.append(f"{run.name}/{entry.name} is incomplete: {sorted(files)}")
+                continue
+            problem, _ = _read_version(entry)
+            if problem is not None:
+                violations.append(f"{run.name}/{entry.name}: {problem}")
     return violations, garbage
 
 

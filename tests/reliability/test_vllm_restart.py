@@ -68,7 +68,7 @@ def test_engine_killed_between_load_and_verify_recovers_on_next_publish(vllm_pyt
         result = report.results[0]
         assert result.status == "failed" and isinstance(result.error, EngineUnavailableError), report
         assert not server.alive()
-        assert (tmp_path / "store" / "pol" / "v1" / "adapter_model.safetensors").is_file()  # kept: engine state unknown
+        assert (pub.store.path_for("pol", 1) / "adapter_model.safetensors").is_file()  # kept: engine state unknown
 
         start = time.monotonic()
         server.start()  # same port, empty engine

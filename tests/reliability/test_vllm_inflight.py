@@ -1,0 +1,22 @@
+"""Real vLLM with one adapter slot (``--max-loras 1 --max-cpu-loras 1``), ``keep=1``: requests on
+v1 (and v2) keep decoding while v2 and v3 are published; they finish with exactly the tokens of an
+undisturbed run, the engine stays healthy, v3 serves the trainer's tokens, and v1's files go only
+after it drained. Before drain-aware retirement this killed vLLM's engine core."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ._figures import record
+from ._inflight import run_vllm_inflight
+
+pytestmark = pytest.mark.vllm
+
+
+def test_versions_change_under_decoding_requests_on_one_slot(vllm_python: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
+    outcome = run_vllm_inflight(tiny_model_dir, vllm_python, tmp_path)
+    record(inflight_requests=outcome["requests"], inflight_lost=outcome["lost"], engine_deaths=outcome["deaths"])
+    assert outcome["violations"] == [], "\n".join(outcome["violations"]) + f"\ntimeline: {outcome['timeline']}"
+    assert outcome["requests"] == 3 and outcome["lost"] == 0 and outcome["deaths"] == 0
