@@ -19,4 +19,4 @@ def test_versions_change_under_decoding_requests_on_one_slot(vllm_python: Path, 
     outcome = run_vllm_inflight(tiny_model_dir, vllm_python, tmp_path)
     record(inflight_requests=outcome["requests"], inflight_lost=outcome["lost"], engine_deaths=outcome["deaths"])
     assert outcome["violations"] == [], "\n".join(outcome["violations"]) + f"\ntimeline: {outcome['timeline']}"
-    assert outcome["requests"] == 3 and outcome["lost"] == 0 and outcome["deaths"] == 0
+    assert outcome["requests"] >= 3 and outcome["lost"] == 0 and outcome["deaths"] == 0
