@@ -352,6 +352,23 @@ def test_preflight_refuses_before_any_load_request(
     assert peer.calls() == [("GET", "/server_info")] * 2  # no load reached the server
 
 
+@pytest.mark.parametrize(("which", "match"), [("rslora", "normalize_scaling"), ("q_only", "v_proj")])
+def test_disk_publish_is_prechecked_by_sglangs_rules(
+    engine: SGLangEngine, peer: Peer, adapters: dict[str, Path], tmp_path: Path, which: str, match: str
+) -> None:
+    """The publisher runs SGLang's rules for the disk route too: nothing is written or loaded."""
+    from lorasync import Publisher
+
+    pub = Publisher([engine], name=which, transport="disk", root=tmp_path, keep=1)
+    report = pub.publish(Adapter.load(adapters[which]), version=1)
+    (result,) = report.results
+    assert not report.ok and isinstance(result.error, IncompatibleAdapterError), report
+    assert match in str(result.error)
+    assert not any(path.startswith("/load_lora_adapter") for _, path in peer.calls())
+    assert not (tmp_path / which / "v1").exists()
+    assert engine.list_adapters() == []
+
+
 # -- retries ----------------------------------------------------------------------------------
 
 
