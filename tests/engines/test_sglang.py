@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import os
 from concurrent.futures import ThreadPoolExecutor
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -38,6 +37,7 @@ from lorasync.errors import (
     RankTooLargeError,
 )
 from lorasync.testing import make_peft_model, make_tiny_model
+from support import free_port as _free_port
 
 SERVER_FLAGS = [
     "--enable-lora",
@@ -55,12 +55,6 @@ def _sglang_python() -> str | None:
     default = Path(os.environ.get("LORASYNC_ENGINE_CACHE", Path.home() / ".cache/lorasync")) / "sglang-0.5.23/bin/python"
     python = Path(os.environ.get("LORASYNC_SGLANG_PYTHON") or default)
     return str(python) if python.exists() else None
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @contextlib.contextmanager
