@@ -1,7 +1,8 @@
 """PEFT adapter key names: the one place that builds and parses them.
 
 ``peft_key(module, "A")`` builds ``base_model.model.<module>.lora_A.weight``; ``parse_peft_key``
-is its inverse. ``normalize_trainer_key`` strips trainer decorations (FSDP/compile/checkpoint
+is its inverse. ``split_saved_key`` also reads the keys PEFT's own ``save_pretrained`` may leave
+with the adapter-name segment (``...lora_A.default.weight``), for tools that inspect files. ``normalize_trainer_key`` strips trainer decorations (FSDP/compile/checkpoint
 wrappers, DDP ``module.``, the adapter-name segment) so any exporter can map a decorated
 parameter name onto the same canonical key.
 """
@@ -13,7 +14,7 @@ from typing import Literal
 
 from lorasync.errors import InvalidKeyError
 
-__all__ = ["PEFT_PREFIX", "normalize_trainer_key", "parse_peft_key", "peft_key"]
+__all__ = ["PEFT_PREFIX", "normalize_trainer_key", "parse_peft_key", "peft_key", "split_saved_key"]
 
 PEFT_PREFIX = "base_model.model."
 Side = Literal["A", "B"]
@@ -22,6 +23,9 @@ Side = Literal["A", "B"]
 _SEGMENT = r"(?:[A-Za-z_][A-Za-z0-9_]*|[0-9]+)"
 _MODULE = rf"{_SEGMENT}(?:\.{_SEGMENT})*"
 _PEFT_KEY = re.compile(rf"^base_model\.model\.(?P<module>{_MODULE})\.lora_(?P<side>[AB])\.weight$")
+_SAVED_KEY = re.compile(
+    rf"^base_model\.model\.(?P<module>{_MODULE})\.lora_(?P<side>[AB])(?:\.(?P<adapter>[A-Za-z0-9_]+))?\.weight$"
+)
 
 # Wrapper segments inserted by FSDP1, activation checkpointing and torch.compile.
 _WRAPPER_SEGMENTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
@@ -55,6 +59,20 @@ def parse_peft_key(key: str) -> tuple[str, Side]:
         )
     side: Side = "A" if match["side"] == "A" else "B"
     return match["module"], side
+
+
+def split_saved_key(key: str) -> tuple[str, Side, str | None] | None:
+    """Split a key read from a saved file into ``(module, side, adapter segment or None)``.
+
+    ``base_model.model.m.lora_A.weight`` -> ``("m", "A", None)``;
+    ``base_model.model.m.lora_A.default.weight`` -> ``("m", "A", "default")`` (engines refuse the
+    segment, so callers report it). Returns None for anything that is no LoRA weight.
+    """
+    match = _SAVED_KEY.match(key)
+    if match is None:
+        return None
+    side: Side = "A" if match["side"] == "A" else "B"
+    return match["module"], side, match["adapter"]
 
 
 def normalize_trainer_key(name: str, adapter_name: str = "default") -> tuple[str, Side] | None:

@@ -7,7 +7,6 @@ backoff; every 4xx and any other status is final. Tests exercise the decisions w
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,12 +77,6 @@ class RetryPolicy:
 
     def should_retry_status(self, status: int) -> bool:
         return status in self.statuses
-
-    def wait(self, retry_number: int, rng: random.Random | None = None) -> float:
-        """Seconds to wait before retry ``retry_number`` (1-based)."""
-        # Exponent capped: 2**1100 would overflow a float long after backoff_max caps the wait.
-        base = min(self.backoff_max, self.backoff * 2.0 ** min(max(retry_number - 1, 0), 64))
-        return base + (rng or random).uniform(0, self.jitter)
 
     def _kwargs(self) -> dict[str, Any]:
         return {

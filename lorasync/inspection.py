@@ -4,27 +4,35 @@
 tensor data, no pickle) and returns, per engine, whether it would load the adapter and how it
 would scale it — the problems that otherwise surface as a 500 from the engine, or worse as an
 adapter that loads but is scaled differently than in training.
+
+Keys are split by :func:`lorasync._keys.split_saved_key`, and SGLang's verdicts come from
+:mod:`lorasync.engines.sglang.rules`, the rules its client and the publisher enforce, so this
+report and a publish never disagree.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from lorasync._adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from lorasync._config import AdapterConfig
+from lorasync._keys import split_saved_key
+from lorasync.engines.sglang import rules as sglang_rules
+from lorasync.errors import ConfigError
 
 __all__ = ["Finding", "Inspection", "inspect_adapter"]
 
-_KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<side>[AB])(?P<adapter>\.[A-Za-z0-9_]+)?\.weight$")
 _VLLM_MAX_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 @dataclass
 class Finding:
+    """One problem (or note) for one engine, or for ``"all"``."""
+
     engine: str  # "peft" | "vllm" | "sglang" | "all"
     level: str  # "error" (refused) | "warning" (loads, but differs) | "info"
     message: str
@@ -32,6 +40,8 @@ class Finding:
 
 @dataclass
 class Inspection:
+    """What :func:`inspect_adapter` found; ``verdict(engine)`` sums it up per engine."""
+
     path: str
     rank: int | None = None
     ranks: dict[str, int] = field(default_factory=dict)
@@ -42,6 +52,7 @@ class Inspection:
     findings: list[Finding] = field(default_factory=list)
 
     def verdict(self, engine: str) -> str:
+        """``"refused"``, ``"loads with caveats"`` or ``"loads"`` for ``engine``."""
         levels = {f.level for f in self.findings if f.engine in (engine, "all")}
         return "refused" if "error" in levels else ("loads with caveats" if "warning" in levels else "loads")
 
@@ -98,25 +109,23 @@ def inspect_adapter(directory: str | os.PathLike[str], *, vllm_max_rank: int | N
     header = _safetensors_header(weights)
     header.pop("__metadata__", None)
     ranks: dict[str, int] = {}
+    sides: dict[str, set[str]] = {}
     dtypes = set()
     for key, info in header.items():
         dtypes.add(info["dtype"])
         out.nbytes += int(info["data_offsets"][1]) - int(info["data_offsets"][0])
-        match = _KEY.match(key)
-        if match is None:
+        parsed = split_saved_key(key)
+        if parsed is None:
             add(Finding("all", "error", f"{key} is no LoRA weight key: vLLM raises 'unsupported LoRA weight'"))
             continue
-        if match["adapter"]:
+        module, side, segment = parsed
+        if segment:
             add(Finding("vllm", "error", f"{key} keeps PEFT's adapter-name segment; save with Adapter.save or save_pretrained"))
-        module, shape = match["module"], info["shape"]
-        r = shape[0] if match["side"] == "A" else shape[-1]
+        shape = info["shape"]
+        r = shape[0] if side == "A" else shape[-1]
+        sides.setdefault(module, set()).add(side)
         if ranks.setdefault(module, r) != r:
             add(Finding("all", "error", f"{module}: lora_A and lora_B disagree on the rank ({ranks[module]} vs {r})"))
-    sides: dict[str, set[str]] = {}
-    for key in header:
-        match = _KEY.match(key)
-        if match:
-            sides.setdefault(match["module"], set()).add(match["side"])
     for module, have in sides.items():
         if have != {"A", "B"}:
             add(Finding("all", "error", f"{module} has only lora_{''.join(sorted(have))}"))
@@ -150,20 +159,40 @@ def inspect_adapter(directory: str | os.PathLike[str], *, vllm_max_rank: int | N
         add(Finding("vllm", "info", f"needs vLLM --max-lora-rank >= {smallest} (allowed values {_VLLM_MAX_RANKS})"))
         if sglang_max_rank is not None and out.rank > sglang_max_rank:
             add(Finding("sglang", "error", f"rank {out.rank} > server --max-lora-rank {sglang_max_rank}"))
-    if rslora or patterns:
-        add(Finding("sglang", "warning", "SGLang ignores use_rslora/rank_pattern/alpha_pattern: scales differ from training; run normalize_scaling"))
     if rslora:
         add(Finding("vllm", "info", "vLLM applies rsLoRA (alpha/sqrt(r)) globally"))
     if patterns:
         add(Finding("vllm", "warning", "vLLM applies one lora_alpha/r to every module; per-module alpha_pattern scales are lost unless normalized"))
-    if len(set(ranks.values())) > 1:
-        add(Finding("sglang", "warning", "mixed per-module ranks: SGLang validates shapes at the first batch; lorasync pads them for tensor loads"))
+    out.findings += _sglang_findings(ranks, config)
     leaves = {m.rsplit(".", 1)[-1] for m in ranks}
-    if "q_proj" in leaves and "v_proj" not in leaves or "v_proj" in leaves and "q_proj" not in leaves:
-        add(Finding("sglang", "error", "SGLang stacks q/k/v: q_proj and v_proj must be targeted together"))
     if leaves & {"embed_tokens", "lm_head"}:
         add(Finding("all", "warning", "embedding/lm_head LoRA: support differs by engine version"))
     return out
+
+
+def _sglang_findings(ranks: dict[str, int], config: dict[str, Any]) -> list[Finding]:
+    """SGLang's rules (the ones its client enforces) applied to what the files show."""
+    r = config.get("r")
+    if not isinstance(r, int) or not ranks:
+        return []  # reported above as a missing field / no tensors
+    try:
+        cfg = AdapterConfig(
+            r=r,
+            lora_alpha=config.get("lora_alpha") or r,
+            use_rslora=bool(config.get("use_rslora")),
+            rank_pattern=config.get("rank_pattern") or {},
+            alpha_pattern=config.get("alpha_pattern") or {},
+        )
+        scaling_ok = sglang_rules.safe_scaling(cfg, sorted(ranks))
+    except ConfigError:  # malformed patterns: SGLang's scale cannot be trusted either
+        scaling_ok = False
+    found = []
+    for violation in sglang_rules.violations(ranks, r=r, scaling_ok=scaling_ok, pads=False):
+        message = violation.message
+        if violation.rule == sglang_rules.MIXED_RANKS:
+            message += " (lorasync pads them for tensor loads)"
+        found.append(Finding("sglang", violation.level, message))
+    return found
 
 
 def _safetensors_header(path: Path) -> dict[str, Any]:

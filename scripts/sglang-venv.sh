@@ -17,7 +17,7 @@ TORCHVISION_VERSION="${LORASYNC_SGLANG_TORCHVISION:-0.29.1}"
 cache="${LORASYNC_ENGINE_CACHE:-$HOME/.cache/lorasync}"
 venv="$cache/sglang-$SGLANG_VERSION"
 py="$venv/bin/python"
-# What the contract server (lorasync/testing/sglang_contract.py) and lorasync itself import.
+# What the contract server (tests/peers/sglang_contract.py) and lorasync itself import.
 probe="import sglang.srt.entrypoints.http_server, sglang.srt.managers.io_struct, peft, safetensors, httpx, tenacity, uvicorn"
 
 if [ -f "$venv/.ready" ] && "$py" -c "$probe" >/dev/null 2>&1; then

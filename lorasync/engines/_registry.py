@@ -1,16 +1,151 @@
-"""The process-wide engine registry (entry-point group ``lorasync.engines``) and ``connect``."""
+"""The engine registry: name -> engine class, with lazy ``"module:Class"`` targets and
+entry-point discovery, and ``connect`` / ``parse_engine_spec`` on top of it.
+
+Built-in engines are declared in lorasync's own ``pyproject.toml`` under the entry-point group
+``lorasync.engines``, exactly like third-party plugins, so there is one way in. Duplicate rule:
+registering the same target again is a no-op; a different target raises
+``DuplicateRegistrationError`` unless ``clobber=True``. During discovery a plugin that fails
+(bad target, clash with an earlier entry) is logged and skipped, never fatal.
+"""
 
 from __future__ import annotations
 
+import importlib
+import logging
+import threading
+from collections.abc import Mapping
+from importlib import metadata
+from types import MappingProxyType
 from typing import Any
 
-from lorasync._registry import Registry
 from lorasync.engines._base import Engine
-from lorasync.errors import ConfigError
+from lorasync.errors import ConfigError, DuplicateRegistrationError, RegistryError, UnknownEngineError
 
-__all__ = ["ENGINE_GROUP", "available_engines", "connect", "engine_registry", "parse_engine_spec", "register_engine"]
+__all__ = [
+    "ENGINE_GROUP",
+    "Registry",
+    "available_engines",
+    "connect",
+    "engine_registry",
+    "parse_engine_spec",
+    "register_engine",
+]
+
+logger = logging.getLogger("lorasync")
 
 ENGINE_GROUP = "lorasync.engines"
+
+
+class Registry:
+    """Name → class, where a class may be given lazily as ``"package.module:Class"``.
+
+    Args:
+        group (`str`, *optional*): entry-point group discovered once, on first lookup.
+        what (`str`): what the entries are, for messages (``"engine"``).
+    """
+
+    def __init__(self, group: str | None = None, *, what: str = "engine") -> None:
+        self._group = group
+        self._what = what
+        self._targets: dict[str, str | type] = {}
+        self._loaded: dict[str, type] = {}
+        self._discovered = group is None
+        self._lock = threading.Lock()
+        self._discover_lock = threading.Lock()
+
+    def register(self, name: str, target: str | type, *, clobber: bool = False) -> None:
+        """Register ``target`` (a class or ``"module:Class"``) under ``name``.
+
+        Raises:
+            DuplicateRegistrationError: ``name`` is taken by a different target and
+                ``clobber`` is false.
+        """
+        if not name or not isinstance(name, str):
+            raise RegistryError(f"{self._what} name must be a non-empty string, got {name!r}")
+        if isinstance(target, str) and ":" not in target:
+            raise RegistryError(f"lazy target for {name!r} must look like 'package.module:Class', got {target!r}")
+        with self._lock:
+            current = self._targets.get(name)
+            if current is not None and not clobber and not _same(current, target):
+                raise DuplicateRegistrationError(
+                    f"{self._what} {name!r} is already registered as {_describe(current)}; "
+                    f"pass clobber=True to replace it with {_describe(target)}",
+                    name=name,
+                )
+            self._targets[name] = target
+            self._loaded.pop(name, None)
+
+    def get(self, name: str) -> type:
+        """The class registered under ``name``, importing it on first use.
+
+        Raises:
+            UnknownEngineError: nothing is registered under ``name``.
+            RegistryError: the target cannot be imported (the message says what to install).
+        """
+        self.discover()
+        with self._lock:
+            if name in self._loaded:
+                return self._loaded[name]
+            target = self._targets.get(name)
+        if target is None:
+            raise UnknownEngineError(
+                f"no {self._what} named {name!r}; available: {sorted(self._targets)}. Install the plugin "
+                "that provides it (it registers under the 'lorasync.engines' entry-point group), or "
+                "call register_engine()",
+                name=name,
+            )
+        cls = _load(target) if isinstance(target, str) else target
+        with self._lock:
+            self._loaded[name] = cls
+        return cls
+
+    def available(self) -> Mapping[str, str | type]:
+        """Read-only view of every registered name and its target (discovery included)."""
+        self.discover()
+        return MappingProxyType(dict(self._targets))
+
+    def discover(self) -> None:
+        """Read the entry-point group once per registry. Loading must be idempotent."""
+        if self._discovered:
+            return
+        # Concurrent first lookups (engines driven in parallel) wait until every entry point
+        # is registered instead of seeing a half-filled registry.
+        with self._discover_lock:
+            if self._discovered or self._group is None:
+                return
+            eps = sorted(metadata.entry_points(group=self._group), key=_builtin_first)
+            for ep in eps:
+                try:
+                    self.register(ep.name, ep.value)
+                except Exception:  # a broken plugin must never break lorasync
+                    logger.exception("skipping %s plugin %r from %r", self._group, ep.name, ep.value)
+            self._discovered = True
+
+
+def _builtin_first(ep: metadata.EntryPoint) -> tuple[int, str]:
+    return (0 if ep.value.startswith("lorasync.") else 1, ep.name)
+
+
+def _same(a: str | type, b: str | type) -> bool:
+    return _describe(a) == _describe(b)
+
+
+def _describe(target: str | type) -> str:
+    return target if isinstance(target, str) else f"{target.__module__}:{target.__qualname__}"
+
+
+def _load(target: str) -> Any:
+    module_name, _, attr = target.partition(":")
+    try:
+        obj: Any = importlib.import_module(module_name)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as exc:
+        raise RegistryError(
+            f"cannot import {target!r}: {exc}. Install the package that provides it.", target=target
+        ) from exc
+    return obj
+
 
 engine_registry = Registry(ENGINE_GROUP, what="engine")
 

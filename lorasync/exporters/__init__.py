@@ -1,9 +1,9 @@
 """Exporters: trainer LoRA state (FSDP/PEFT, Megatron) → :class:`lorasync.Adapter`.
 
 Each exporter is a module with one ``export(...)`` function; ``trim_rank`` and
-``normalize_scaling`` are shared by all of them.
+``normalize_scaling`` (from :mod:`lorasync.transforms`) are shared by all of them.
 """
 
-from lorasync.exporters._rank import normalize_scaling, trim_rank, trim_tensor
+from lorasync.transforms import normalize_scaling, trim_rank, trim_tensor
 
 __all__ = ["normalize_scaling", "trim_rank", "trim_tensor"]

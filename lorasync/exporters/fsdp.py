@@ -20,7 +20,7 @@ from lorasync._adapter import Adapter
 from lorasync._config import AdapterConfig
 from lorasync._keys import normalize_trainer_key, peft_key
 from lorasync.errors import ConfigError, ExportError, UnknownAdapterNameError
-from lorasync.exporters._rank import trim_rank
+from lorasync.transforms import trim_rank
 
 __all__ = ["export"]
 

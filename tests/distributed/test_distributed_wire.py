@@ -12,9 +12,10 @@ from _dist_publish_worker import make_adapter
 from safetensors.torch import load
 
 from lorasync import Probe
-from lorasync._distributed_wire import decode_adapter, decode_error, decode_result, encode_error, encode_result
+from lorasync.distributed._wire import decode_adapter, decode_error, decode_result, encode_error, encode_result
 from lorasync._report import EngineResult
-from lorasync.distributed import DistributedPublisher, _resolve, encode_adapter
+from lorasync.distributed import DistributedPublisher, encode_adapter
+from lorasync.distributed._roles import resolve as _resolve
 from lorasync.errors import (
     ConfigError,
     EngineUnavailableError,

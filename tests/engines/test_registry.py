@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from lorasync._registry import Registry
+from lorasync.engines._registry import Registry
 from lorasync.engines import ENGINE_GROUP, Engine, available_engines, connect
 from lorasync.engines.peft_local import PeftEngine
 from lorasync.errors import ConfigError, DuplicateRegistrationError, RegistryError, UnknownEngineError

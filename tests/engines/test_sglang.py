@@ -1,4 +1,4 @@
-"""The SGLang client against SGLang's own HTTP server (lorasync.testing.sglang_contract).
+"""The SGLang client against SGLang's own HTTP server (tests/peers/sglang_contract.py).
 
 The peer runs in the SGLang venv (scripts/sglang-venv.sh): SGLang 0.5.23's FastAPI app, request
 classes, LoRA manager checks and weight-update session, over an in-process CPU scheduler. Tests
@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import socket
+from concurrent.futures import ThreadPoolExecutor
 import subprocess
 import time
 from collections.abc import Iterator
@@ -37,6 +37,7 @@ from lorasync.errors import (
     RankTooLargeError,
 )
 from lorasync.testing import make_peft_model, make_tiny_model
+from support import free_port as _free_port
 
 SERVER_FLAGS = [
     "--enable-lora",
@@ -46,6 +47,7 @@ SERVER_FLAGS = [
     "--tokenizer-worker-num", "1",
 ]  # fmt: skip
 PROMPT = [5, 17, 42, 99]
+PEER = Path(__file__).resolve().parents[1] / "peers" / "sglang_contract.py"  # SGLang's own app, tests/peers/
 
 
 def _sglang_python() -> str | None:
@@ -53,12 +55,6 @@ def _sglang_python() -> str | None:
     default = Path(os.environ.get("LORASYNC_ENGINE_CACHE", Path.home() / ".cache/lorasync")) / "sglang-0.5.23/bin/python"
     python = Path(os.environ.get("LORASYNC_SGLANG_PYTHON") or default)
     return str(python) if python.exists() else None
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @contextlib.contextmanager
@@ -72,7 +68,7 @@ def _contract_server(model_dir: Path, log: Path, *extra: str) -> Iterator[str]:
         pytest.skip(message)
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": str(Path(lorasync.__file__).resolve().parents[1])}
-    cmd = [python, "-m", "lorasync.testing.sglang_contract", "--host", "127.0.0.1", "--port", str(port),
+    cmd = [python, str(PEER), "--host", "127.0.0.1", "--port", str(port),
            "--model-path", str(model_dir), *SERVER_FLAGS, *extra]  # fmt: skip
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
@@ -124,6 +120,26 @@ class Peer:
 
     def fail(self, path: str, status: int, times: int = 1) -> None:
         httpx.post(f"{self.url}/_contract/fail", json={"path": path, "status": status, "times": times})
+
+    def hold(self, lora_name: str) -> None:
+        """Later /generate requests on ``lora_name`` stay in flight (adapter acquired) until released."""
+        httpx.post(f"{self.url}/_contract/hold", json={"lora_name": lora_name}).raise_for_status()
+
+    def release(self, lora_name: str) -> None:
+        httpx.post(f"{self.url}/_contract/release", json={"lora_name": lora_name}).raise_for_status()
+
+    def inflight(self) -> dict[str, Any]:
+        return dict(httpx.get(f"{self.url}/_contract/inflight").json())
+
+    def wait_for(self, predicate: Any, timeout: float = 30.0) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while True:
+            state = self.inflight()
+            if predicate(state):
+                return state
+            if time.monotonic() > deadline:
+                pytest.fail(f"the peer never reached the expected state: {state}")
+            time.sleep(0.05)
 
 
 @pytest.fixture
@@ -352,6 +368,23 @@ def test_preflight_refuses_before_any_load_request(
     assert peer.calls() == [("GET", "/server_info")] * 2  # no load reached the server
 
 
+@pytest.mark.parametrize(("which", "match"), [("rslora", "normalize_scaling"), ("q_only", "v_proj")])
+def test_disk_publish_is_prechecked_by_sglangs_rules(
+    engine: SGLangEngine, peer: Peer, adapters: dict[str, Path], tmp_path: Path, which: str, match: str
+) -> None:
+    """The publisher runs SGLang's rules for the disk route too: nothing is written or loaded."""
+    from lorasync import Publisher
+
+    pub = Publisher([engine], name=which, transport="disk", root=tmp_path, keep=1)
+    report = pub.publish(Adapter.load(adapters[which]), version=1)
+    (result,) = report.results
+    assert not report.ok and isinstance(result.error, IncompatibleAdapterError), report
+    assert match in str(result.error)
+    assert not any(path.startswith("/load_lora_adapter") for _, path in peer.calls())
+    assert not (tmp_path / which / "v1").exists()
+    assert engine.list_adapters() == []
+
+
 # -- retries ----------------------------------------------------------------------------------
 
 
@@ -485,3 +518,48 @@ def test_merged_publish_on_sglang_is_one_session(engine: SGLangEngine, peer: Pee
         assert engine.greedy(None, [5, 17, 99, 230], 4)[0] == list(expected)
     finally:
         pub.restore_base()
+
+
+# -- requests in flight: what SGLang 0.5.23's own unload does with them -----------------------
+
+
+def test_unload_waits_for_requests_in_flight_and_blocks_loads_meanwhile(
+    engine: SGLangEngine, peer: Peer, adapters: dict[str, Path], tiny_model_dir: Path
+) -> None:
+    """A request holding v1 keeps it through v2's load and v1's unload: SGLang unregisters v1 at
+    once (no longer listed) but answers the unload only after the request released it, and holds
+    its LoRA update lock meanwhile, so v3's load waits too. The held request then decodes exactly
+    the tokens of an undisturbed v1 run. After the unload a request naming v1 makes SGLang
+    reload it from its path (the files must still be there)."""
+    engine.load_adapter("pol@v1", adapters["qkvo"])
+    expected = _reference(tiny_model_dir, adapters["qkvo"], steps=6)[0]
+    peer.hold("pol@v1")
+    clients = [SGLangEngine(peer.url, timeout=120) for _ in range(3)]
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            long = pool.submit(clients[0].generate, PROMPT, lora_name="pol@v1", max_new_tokens=6)
+            state = peer.wait_for(lambda s: any(r["held"] for r in s["requests"]))
+            assert state["in_use"] == {"pol@v1": 1}
+            assert engine.adapters_in_use() is None  # no SGLang route reports it: see the docs
+            engine.load_adapter("pol@v2", adapters["qv"])  # loads while v1 is in use
+            unload = pool.submit(clients[1].unload_adapter, "pol@v1")
+            peer.wait_for(lambda s: s["unloading"] == ["pol@v1"] and "pol@v1" not in s["registered"])
+            assert engine.list_adapters() == ["pol@v2"]
+            load3 = pool.submit(clients[2].load_adapter, "pol@v3", adapters["qv"])
+            time.sleep(1.0)
+            assert not unload.done() and not load3.done() and not long.done()
+            assert peer.inflight()["in_use"] == {"pol@v1": 1}
+            peer.release("pol@v1")
+            assert list(long.result(timeout=120).output_ids) == expected
+            unload.result(timeout=120)
+            load3.result(timeout=120)
+        assert engine.list_adapters() == ["pol@v2", "pol@v3"]
+        assert peer.inflight() == {"requests": [], "in_use": {}, "registered": ["pol@v2", "pol@v3"], "unloading": []}
+        # SGLang's implicit reload: a request on the unloaded name loads it again from its path.
+        again = engine.generate(PROMPT, lora_name="pol@v1", max_new_tokens=6)
+        assert list(again.output_ids) == expected
+        assert "pol@v1" in engine.list_adapters()
+    finally:
+        peer.release("pol@v1")
+        for client in clients:
+            client.close()

@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch import nn
 
-from _dist import run_distributed
+from support import run_distributed
 from lorasync import Adapter
 from lorasync.errors import PaddedRankError, UnknownAdapterNameError
 from lorasync.exporters.fsdp import export

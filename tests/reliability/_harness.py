@@ -36,7 +36,8 @@ ATTEMPTS = 3
 RETRY = RetryPolicy(attempts=ATTEMPTS, backoff=0.005, backoff_max=0.02, jitter=0.0)
 TIMEOUT = 0.4  # seconds per request in hang cases; a hung request costs ATTEMPTS * TIMEOUT
 PATIENT = 5.0  # every other case: a busy CI box must never turn a slow answer into a "fault"
-MODULES = ("model.layers.0.self_attn.q_proj", "model.layers.0.mlp.down_proj")
+# q with v: SGLang packs q/k/v and refuses q_proj alone (lorasync.engines.sglang.rules).
+MODULES = ("model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.v_proj", "model.layers.0.mlp.down_proj")
 
 
 def tiny_adapter(seed: int, *, r: int = 4, width: int = 16) -> Adapter:

@@ -23,7 +23,7 @@ SECRET = "sk-lorasync-7d3f9a1c-do-not-log"
 # Modules that may import pickle, and why. The SGLang client *sends* pickles SGLang expects on its
 # tensor routes (SGLang unpickles them with an allowlist); the export CLI names
 # pickle.UnpicklingError to report a bad .pt it read with torch.load(weights_only=True).
-PICKLE_IMPORTS = {"engines/sglang.py", "cli/export.py"}
+PICKLE_IMPORTS = {"engines/sglang/protocol.py", "cli/export.py"}
 
 
 def _calls(source: str, name: str) -> list[str]:
@@ -56,7 +56,7 @@ def test_no_untrusted_deserialization_in_the_package():
             findings.append(f"{path}: imports pickle")
     assert findings == []
     # The only pickle use is a Pickler that *writes* (what SGLang's tensor routes read).
-    sglang = sources["engines/sglang.py"]
+    sglang = sources["engines/sglang/protocol.py"]
     assert "pickle.Pickler(" in sglang and "pickle.load" not in sglang
 
 

@@ -18,6 +18,7 @@ import torch
 
 from lorasync import errors
 from lorasync._adapter import Adapter
+from lorasync._collectives import decode_json, encode_json
 from lorasync._config import AdapterConfig
 from lorasync._probe import Probe
 from lorasync._report import EngineResult
@@ -102,25 +103,6 @@ def decode_adapter(buffer: torch.Tensor) -> tuple[Adapter, Probe | None]:
             float(raw_probe["atol"]),
         )
     return adapter, probe
-
-
-def encode_json(obj: Any, *, device: torch.device | str = "cpu") -> torch.Tensor:
-    """``obj`` as UTF-8 JSON in a 1-D ``uint8`` tensor."""
-    raw = json.dumps(obj, separators=(",", ":")).encode()
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device) if raw else torch.empty(0, dtype=torch.uint8, device=device)
-
-
-def decode_json(buffer: torch.Tensor) -> Any:
-    """Inverse of :func:`encode_json` (the tensor may live on any device).
-
-    Raises:
-        TransportError: not UTF-8 JSON.
-    """
-    raw = buffer.detach().to("cpu").numpy().tobytes()
-    try:
-        return json.loads(raw.decode())
-    except ValueError as exc:
-        raise TransportError(f"a message received over torch.distributed is not JSON: {exc}") from exc
 
 
 def encode_error(exc: BaseException) -> dict[str, Any]:

@@ -10,9 +10,10 @@ real scheduler-side checks (``LoRAManager`` validation and error texts, ``LoRAMe
 parts are replaced: a tiny HF Llama on CPU runs ``/generate`` with the adapter's packed weights
 applied by forward hooks at SGLang's scale (``lora_alpha / r``).
 
-It must run in the SGLang venv (``scripts/sglang-venv.sh``)::
+It is a test peer, not part of the wheel, and must run in the SGLang venv
+(``scripts/sglang-venv.sh``)::
 
-    python -m lorasync.testing.sglang_contract --port 30000 --model-path DIR \\
+    python tests/peers/sglang_contract.py --port 30000 --model-path DIR \\
         --enable-lora --max-lora-rank 16 --lora-target-modules q_proj v_proj
 
 Every ``sglang.launch_server`` flag is accepted. Test-only routes live under ``/_contract``:
@@ -20,6 +21,18 @@ Every ``sglang.launch_server`` flag is accepted. Test-only routes live under ``/
 request class: ``unknown`` lists keys SGLang would silently ignore), ``POST /_contract/reset``
 (clear the log and injected faults) and ``POST /_contract/fail`` ``{"path", "status", "times"}``
 (answer the next ``times`` requests to ``path`` with ``status``, before SGLang sees them).
+
+Requests in flight, under test control: ``POST /_contract/hold`` ``{"lora_name"}`` makes every
+later ``/generate`` on that adapter stop after SGLang's own ``_validate_and_resolve_lora`` has
+acquired it (the registry counts it in use, as for a request the scheduler is decoding) until
+``POST /_contract/release`` ``{"lora_name"}``; ``GET /_contract/inflight`` lists the requests in
+flight and SGLang's own per-adapter use counts. Unload is SGLang's own
+(``TokenizerControlMixin._unload_lora_adapter_locked``): it unregisters the name at once, then
+waits in ``LoRARegistry.wait_for_unload`` until every request holding the adapter has released
+it, holding ``lora_update_lock`` the whole time (so a load, or an implicit reload, waits too).
+
+This module is long (about 650 lines) because it is one peer: SGLang's app, its scheduler
+stand-in and the test routes must be started together in one process.
 """
 
 from __future__ import annotations
@@ -357,6 +370,8 @@ def _fake_tokenizer_manager(server_args: Any, scheduler: _Scheduler) -> Any:
             self.lora_ref_cache: dict[str, Any] = {}
             self.pending_lora_unloads: dict[str, str] = {}
             self.weight_version = "default"
+            self.holds: dict[str, asyncio.Event] = {}  # lora name -> gate of held requests
+            self.inflight: dict[str, dict[str, Any]] = {}  # rid -> what the test sees
             self._result_dispatcher = TypeBasedDispatcher([])
             self.init_communicators()
 
@@ -401,7 +416,15 @@ def _fake_tokenizer_manager(server_args: Any, scheduler: _Scheduler) -> Any:
             if not obj.is_single or obj.input_ids is None:
                 raise ValueError("the SGLang contract server serves single requests with input_ids only")
             await self._validate_and_resolve_lora(obj)
+            entry = {"rid": obj.rid, "lora_name": obj.lora_path, "lora_id": getattr(obj, "lora_id", None), "held": False}
+            self.inflight[str(obj.rid)] = entry
             try:
+                gate = self.holds.get(obj.lora_path) if obj.lora_path else None
+                if gate is not None and not gate.is_set():
+                    # Like a request the scheduler is decoding: the adapter stays acquired.
+                    entry["held"] = True
+                    await gate.wait()
+                    entry["held"] = False
                 params = obj.sampling_params or {}
                 out = self.scheduler.generate(
                     obj.input_ids,
@@ -410,6 +433,7 @@ def _fake_tokenizer_manager(server_args: Any, scheduler: _Scheduler) -> Any:
                     return_logprob=bool(obj.return_logprob),
                 )
             finally:
+                self.inflight.pop(str(obj.rid), None)
                 if obj.lora_path:
                     await self.lora_registry.release(obj.lora_id)
             out["meta_info"]["id"] = obj.rid
@@ -422,8 +446,9 @@ def _fake_tokenizer_manager(server_args: Any, scheduler: _Scheduler) -> Any:
 class _ContractMiddleware:
     """Pure ASGI middleware: request log with schema check, and fault injection."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, manager: Any) -> None:
         self.app = app
+        self.manager = manager
         self.log: list[dict[str, Any]] = []
         self.faults: dict[str, list[int]] = {}
         self._fields = {route: _struct_fields(name) for route, name in ROUTE_STRUCTS.items()}
@@ -495,10 +520,35 @@ class _ContractMiddleware:
             spec = json.loads(body)
             self.faults.setdefault(spec["path"], []).extend([int(spec["status"])] * int(spec.get("times", 1)))
             payload = {"ok": True}
+        elif path == "/_contract/hold":
+            self.manager.holds[str(json.loads(body)["lora_name"])] = asyncio.Event()
+            payload = {"ok": True}
+        elif path == "/_contract/release":
+            gate = self.manager.holds.pop(str(json.loads(body)["lora_name"]), None)
+            if gate is not None:
+                gate.set()
+            payload = {"ok": True}
+        elif path == "/_contract/inflight":
+            payload = self._inflight()
         else:
             await _respond(send, 404, b'{"detail":"Not Found"}', "application/json")
             return
         await _respond(send, 200, json.dumps(payload).encode(), "application/json")
+
+
+    def _inflight(self) -> dict[str, Any]:
+        """Requests in flight, and SGLang's own use count of each adapter id (named through
+        ``lora_ref_cache``; an unloading adapter keeps its count until it drains)."""
+        manager = self.manager
+        names = {ref.lora_id: name for name, ref in manager.lora_ref_cache.items()}
+        counters = manager.lora_registry._counters
+        in_use = {names.get(lora_id, lora_id): counter.value() for lora_id, counter in counters.items() if counter.value()}
+        return {
+            "requests": list(manager.inflight.values()),
+            "in_use": in_use,
+            "registered": sorted(manager.lora_registry.get_all_adapters()),
+            "unloading": sorted(manager.pending_lora_unloads),
+        }
 
 
 async def _respond(send: Any, status: int, body: bytes, content_type: str) -> None:
@@ -545,7 +595,7 @@ def build_app(argv: list[str]) -> Any:
         from sglang.srt.utils.auth import add_api_key_middleware
 
         add_api_key_middleware(app, api_key=get_serving().api_key, admin_api_key=get_serving().admin_api_key)
-    return _ContractMiddleware(app)
+    return _ContractMiddleware(app, manager)
 
 
 def main(argv: list[str] | None = None) -> None:

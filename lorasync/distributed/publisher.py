@@ -1,10 +1,4 @@
-"""Multi-node publish over torch.distributed: engines on other hosts, no shared filesystem.
-
-A trainer's engines may run on hosts whose disks it cannot write. :class:`DistributedPublisher`
-uses the process group the trainer already runs: the exporting rank (``src``) serialises the
-adapter once, one rank per node (the node *leader*) receives it, writes it under a node-local
-root and publishes it to that node's engines with an ordinary :class:`~lorasync.Publisher`. Every
-leader's results come back to ``src`` as one :class:`DistributedPublishReport`.
+""":class:`DistributedPublisher`: one rank's adapter published on every node's engines.
 
 Protocol of one :meth:`DistributedPublisher.publish` (every rank of ``group`` calls it):
 
@@ -27,97 +21,33 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import nn
 
 from lorasync._adapter import Adapter
-from lorasync._distributed_wire import (
-    decode_adapter,
-    decode_error,
-    decode_json,
-    decode_result,
-    encode_adapter,
-    encode_error,
-    encode_json,
-    encode_result,
-)
+from lorasync._collectives import all_gather_json, collective_device, decode_json, encode_json, gather_json
 from lorasync._names import served_name, validate_name, validate_version
 from lorasync._probe import Probe
 from lorasync._publish import Publisher
-from lorasync._report import EngineResult, PublishReport
+from lorasync._select import TRANSPORTS
+from lorasync._report import EngineResult
+from lorasync.distributed._report import DistributedPublishReport, NodeResult, decode_node, encode_node
+from lorasync.distributed._roles import default_leader, default_node, resolve, version_mismatch
+from lorasync.distributed._wire import decode_adapter, decode_error, encode_adapter, encode_error
 from lorasync.engines._base import Engine
 from lorasync.errors import ConfigError, LoraSyncError, PublishError, TransportError
 
-__all__ = ["DistributedPublishReport", "DistributedPublisher", "NodeResult", "decode_adapter", "encode_adapter"]
+__all__ = ["LOCAL_TRANSPORTS", "DistributedPublisher"]
 
-TRANSPORTS = ("auto", "disk", "ipc")
+# A leader publishes with an ordinary Publisher: every transport but the merged fallback, which
+# needs base weights on every node.
+LOCAL_TRANSPORTS = tuple(t for t in TRANSPORTS if t != "merged")
 _OK, _REFUSED = 0, 1
-
-
-@dataclass
-class NodeResult:
-    """What one node's leader did in a distributed publish.
-
-    ``bytes_received`` counts payload bytes that reached the node over the process group (0 on
-    ``src``'s own node). ``error`` is set when the leader failed before reaching its engines
-    (then every engine of the node is reported failed with it).
-    """
-
-    node: str
-    rank: int
-    results: list[EngineResult] = field(default_factory=list)
-    bytes_received: int = 0
-    timings: dict[str, float] = field(default_factory=dict)
-    error: LoraSyncError | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None and bool(self.results) and all(r.ok for r in self.results)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "node": self.node,
-            "rank": self.rank,
-            "ok": self.ok,
-            "bytes_received": self.bytes_received,
-            "timings": dict(self.timings),
-            "error": None if self.error is None else {"type": type(self.error).__name__, "message": str(self.error)},
-            "results": [r.to_dict() for r in self.results],
-        }
-
-
-@dataclass
-class DistributedPublishReport(PublishReport):
-    """A :class:`~lorasync.PublishReport` over every node's engines.
-
-    ``results`` lists every engine of every node (their ``url`` prefixed with ``[node]``, since
-    each node may run an engine at the same loopback address); ``nodes`` groups them by node.
-    ``payload_bytes`` is the serialised adapter (safetensors header + tensor data) and
-    ``bytes_sent`` what ``src`` broadcast over the process group: ``payload_bytes`` times the
-    number of receiving leaders.
-    """
-
-    nodes: list[NodeResult] = field(default_factory=list)
-    payload_bytes: int = 0
-    bytes_sent: int = 0
-
-    def to_dict(self) -> dict[str, Any]:
-        data = super().to_dict()
-        data.update(payload_bytes=self.payload_bytes, bytes_sent=self.bytes_sent, nodes=[n.to_dict() for n in self.nodes])
-        return data
-
-    def __str__(self) -> str:
-        lines = [super().__str__(), f"  sent {self.bytes_sent} B over torch.distributed ({self.payload_bytes} B payload)"]
-        for n in self.nodes:
-            state = "ok" if n.ok else f"FAILED: {n.error}" if n.error else f"{sum(not r.ok for r in n.results)} engine(s) failed"
-            lines.append(f"  node {n.node} (leader rank {n.rank}): {len(n.results)} engine(s), received {n.bytes_received} B, {state}")
-        return "\n".join(lines)
 
 
 class DistributedPublisher:
@@ -185,18 +115,18 @@ class DistributedPublisher:
         self.src = src
         self.verify = verify
         self.rank = int(dist.get_rank())
-        self._device = _device(dist, group)
+        self._device = collective_device(dist, group)
         if isinstance(engines, (Engine, str)):
             engines = [engines]
         engines = list(engines)
-        self.node_id = str(node_id) if node_id is not None else _default_node(self.rank)
+        self.node_id = str(node_id) if node_id is not None else default_node(self.rank)
         self._local: Publisher | None = None
         problem: dict[str, Any] | None = None
         try:  # a local mistake must reach every rank, or the others would wait for this one
             self.name = validate_name(name)
-            if transport not in TRANSPORTS:
+            if transport not in LOCAL_TRANSPORTS:
                 raise ConfigError(
-                    f"transport must be one of {TRANSPORTS} for node-local engines, got {transport!r} "
+                    f"transport must be one of {LOCAL_TRANSPORTS} for node-local engines, got {transport!r} "
                     "(the merged fallback needs base weights on every node and is not distributed)"
                 )
             if engines:
@@ -206,17 +136,17 @@ class DistributedPublisher:
         role = {
             "rank": self.rank,
             "node": self.node_id,
-            "leader": _default_leader() if is_leader is None else bool(is_leader),
+            "leader": default_leader() if is_leader is None else bool(is_leader),
             "engines": len(engines),
             "name": name if isinstance(name, str) else repr(name),
             "src": src,
             "problem": problem,
         }
         try:
-            everyone = _all_gather_json(dist, role, group, self._device)
+            everyone = all_gather_json(dist, role, group, self._device)
         except RuntimeError as exc:
             raise _collective_error("construction", exc) from exc
-        self.leaders, members = _resolve(everyone, src)
+        self.leaders, members = resolve(everyone, src)
         self.is_leader = self.leaders.get(self.node_id) == self.rank
         self.members = members
         self._sub: Any = None
@@ -304,7 +234,7 @@ class DistributedPublisher:
                 raise decode_error(decode_json(message), rank=self.src)
         except RuntimeError as exc:
             raise _collective_error("the header broadcast", exc) from exc
-        mismatch = None if is_src else _version_mismatch(version, sent_version, self.rank)
+        mismatch = None if is_src else version_mismatch(version, sent_version, self.rank)
         if self._sub is None and not is_src and self._local is None:
             if mismatch is not None:
                 raise mismatch
@@ -328,8 +258,8 @@ class DistributedPublisher:
                 mine = self._publish_local(source, sent_version, 0 if is_src else nbytes, mismatch, verify or self.verify)
             t0 = time.perf_counter()
             if self._sub is not None:
-                gathered = _gather_json(
-                    dist, None if mine is None or is_src else _encode_node(mine), self.src, self._sub, self._device
+                gathered = gather_json(
+                    dist, None if mine is None or is_src else encode_node(mine), self.src, self._sub, self._device
                 )
             else:
                 gathered = None
@@ -343,7 +273,7 @@ class DistributedPublisher:
         assert isinstance(adapter, Adapter) and payload is not None
         for item in gathered or []:
             if item is not None:
-                node_results.append(_decode_node(item))
+                node_results.append(decode_node(item))
         if mine is not None:
             node_results.append(mine)
         node_results.sort(key=lambda n: n.rank)
@@ -407,150 +337,6 @@ class DistributedPublisher:
             ]
         node.timings["local"] = time.perf_counter() - start
         return node
-
-
-# -- roles ---------------------------------------------------------------------------------------
-
-
-def _default_node(rank: int) -> str:
-    env = os.environ
-    if env.get("GROUP_RANK", "").isdigit():
-        return env["GROUP_RANK"]
-    if env.get("LOCAL_WORLD_SIZE", "").isdigit() and int(env["LOCAL_WORLD_SIZE"]) > 0:
-        return str(rank // int(env["LOCAL_WORLD_SIZE"]))
-    return socket.gethostname()
-
-
-def _default_leader() -> bool | None:
-    local = os.environ.get("LOCAL_RANK", "")
-    return int(local) == 0 if local.isdigit() else None
-
-
-def _resolve(everyone: list[dict[str, Any]], src: int) -> tuple[dict[str, int], list[int]]:
-    """Leaders per node and the members of the leaders' group; ConfigError (on every rank, since
-    every rank sees the same roles) when the roles do not fit."""
-    for role in everyone:
-        if role["problem"] is not None:
-            raise decode_error(role["problem"], rank=role["rank"])
-    names = {role["name"] for role in everyone}
-    if len(names) != 1:
-        raise ConfigError(f"ranks publish different names {sorted(names)}; pass the same name= on every rank")
-    srcs = {role["src"] for role in everyone}
-    if len(srcs) != 1:
-        raise ConfigError(f"ranks pass different src= values {sorted(srcs)}; pass the same src on every rank")
-    ranks = sorted(role["rank"] for role in everyone)
-    if src not in ranks:
-        raise ConfigError(f"src={src} is not a rank of the publishing group {ranks}")
-    nodes: dict[str, list[dict[str, Any]]] = {}
-    for role in sorted(everyone, key=lambda r: r["rank"]):
-        nodes.setdefault(role["node"], []).append(role)
-    leaders: dict[str, int] = {}
-    for node, roles in nodes.items():
-        chosen = [r["rank"] for r in roles if r["leader"] is True]
-        if not chosen:
-            undecided = [r["rank"] for r in roles if r["leader"] is None]
-            if not undecided:
-                raise ConfigError(
-                    f"node {node!r} (ranks {[r['rank'] for r in roles]}) has no leader: pass is_leader=True on one "
-                    "of its ranks, or set LOCAL_RANK"
-                )
-            chosen = undecided[:1]
-        if len(chosen) > 1:
-            raise ConfigError(
-                f"node {node!r} has several leaders (ranks {chosen}); exactly one rank per node leads "
-                "(is_leader=True or LOCAL_RANK=0). Ranks on different hosts need different node_id values"
-            )
-        leaders[node] = chosen[0]
-        for role in roles:
-            if role["engines"] and role["rank"] != chosen[0]:
-                raise ConfigError(
-                    f"rank {role['rank']} holds engines but rank {chosen[0]} leads node {node!r}; give the "
-                    "node's engines to its leader (engines=[] elsewhere) or make this rank the leader"
-                )
-    with_engines = [leaders[node] for node, roles in nodes.items() if any(r["engines"] for r in roles)]
-    if not with_engines:
-        raise ConfigError("no rank holds engines; pass engines= on the leader of every node that serves")
-    return leaders, sorted(set(with_engines) | {src})
-
-
-def _version_mismatch(version: Any, sent: int, rank: int) -> ConfigError | None:
-    if version is None:
-        return None
-    try:
-        if validate_version(version) == sent:
-            return None
-    except LoraSyncError:
-        pass
-    return ConfigError(
-        f"rank {rank} passed version={version!r} but src publishes version {sent}; pass the same version "
-        "(e.g. the trainer step) on every rank, or None on ranks other than src"
-    )
-
-
-# -- collectives -----------------------------------------------------------------------------
-
-
-def _device(dist: Any, group: Any) -> torch.device:
-    if "nccl" in str(dist.get_backend(group)).lower():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _all_gather_json(dist: Any, obj: Any, group: Any, device: torch.device) -> list[Any]:
-    """Every rank's ``obj`` on every rank, in group-rank order (lengths first, then bytes)."""
-    size = int(dist.get_world_size(group))
-    payload = encode_json(obj, device=device)
-    length = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
-    lengths = [torch.zeros_like(length) for _ in range(size)]
-    dist.all_gather(lengths, length, group=group)
-    longest = max(int(n.item()) for n in lengths)
-    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
-    padded[: payload.numel()] = payload
-    buffers = [torch.empty_like(padded) for _ in range(size)]
-    dist.all_gather(buffers, padded, group=group)
-    return [decode_json(b[: int(n.item())]) for b, n in zip(buffers, lengths)]
-
-
-def _gather_json(dist: Any, obj: Any, dst: int, group: Any, device: torch.device) -> list[Any] | None:
-    """Every member's ``obj`` on global rank ``dst`` (None elsewhere)."""
-    size = int(dist.get_world_size(group))
-    payload = encode_json(obj, device=device)
-    length = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
-    lengths = [torch.zeros_like(length) for _ in range(size)]
-    dist.all_gather(lengths, length, group=group)  # every member must pad to the same size
-    longest = max(int(n.item()) for n in lengths)
-    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
-    padded[: payload.numel()] = payload
-    is_dst = int(dist.get_rank()) == dst
-    buffers = [torch.empty_like(padded) for _ in range(size)] if is_dst else None
-    dist.gather(padded, buffers, dst=dst, group=group)
-    if not is_dst:
-        return None
-    assert buffers is not None
-    return [decode_json(b[: int(n.item())]) for b, n in zip(buffers, lengths)]
-
-
-def _encode_node(node: NodeResult) -> dict[str, Any]:
-    return {
-        "node": node.node,
-        "rank": node.rank,
-        "bytes_received": node.bytes_received,
-        "timings": node.timings,
-        "error": None if node.error is None else encode_error(node.error),
-        "results": [encode_result(r) for r in node.results],
-    }
-
-
-def _decode_node(data: Mapping[str, Any]) -> NodeResult:
-    node, rank = str(data["node"]), int(data["rank"])
-    return NodeResult(
-        node=node,
-        rank=rank,
-        results=[decode_result(r, node=node, leader_rank=rank) for r in data["results"]],
-        bytes_received=int(data["bytes_received"]),
-        timings={str(k): float(v) for k, v in dict(data["timings"]).items()},
-        error=None if data["error"] is None else decode_error(data["error"], node=node, leader_rank=rank),
-    )
 
 
 def _collective_error(stage: str, exc: BaseException) -> TransportError:

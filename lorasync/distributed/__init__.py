@@ -1,0 +1,18 @@
+"""Multi-node publish over torch.distributed: engines on other hosts, no shared filesystem.
+
+A trainer's engines may run on hosts whose disks it cannot write. :class:`DistributedPublisher`
+uses the process group the trainer already runs: the exporting rank (``src``) serialises the
+adapter once, one rank per node (the node *leader*) receives it, writes it under a node-local
+root and publishes it to that node's engines with an ordinary :class:`~lorasync.Publisher`.
+Every leader's results come back to ``src`` as one :class:`DistributedPublishReport`.
+
+Modules: :mod:`.publisher` (the protocol), :mod:`._roles` (nodes, leaders, agreement checks),
+:mod:`._wire` (adapter, result and error encodings, no pickle), :mod:`._report` (what comes
+back). The JSON collectives are :mod:`lorasync._collectives`, shared with the Megatron exporter.
+"""
+
+from lorasync.distributed._report import DistributedPublishReport, NodeResult
+from lorasync.distributed._wire import decode_adapter, encode_adapter
+from lorasync.distributed.publisher import DistributedPublisher
+
+__all__ = ["DistributedPublishReport", "DistributedPublisher", "NodeResult", "decode_adapter", "encode_adapter"]
