@@ -24,10 +24,10 @@ PACKAGE = Path(lorasync.__file__).resolve().parent
 FLOORS: list[tuple[str, ...]] = [
     ("errors",),
     ("wire",),  # the byte formats (may not exist yet on every branch)
-    ("_names", "_keys", "_config", "_retry", "_collectives"),
+    ("_names", "_keys", "_config", "_retry", "_collectives", "_retention", "_loop"),
     ("_adapter", "_probe", "_report", "transforms"),
     ("exporters", "transports", "engines"),
-    ("distributed", "_publish", "inspection"),
+    ("distributed", "_publish", "_handle", "_files", "_select", "inspection"),
     ("cli", "integrations", "testing", "__main__", "__init__"),
 ]
 
