@@ -30,7 +30,7 @@ from benchmarks._shapes import ModelShape
 from benchmarks._synth import synth_adapter
 from lorasync import Adapter, Publisher
 from lorasync.transports import DiskStore
-from lorasync.transports._shm import write_segment
+from lorasync.wire.shm import write_segment
 
 __all__ = ["run"]
 

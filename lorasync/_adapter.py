@@ -29,7 +29,10 @@ from lorasync.errors import (
     NonFiniteError,
     ShapeMismatchError,
     StorageError,
+    UnsupportedDtypeError,
 )
+from lorasync.wire.d2h import DEFAULT_CHUNK_BYTES, serialize, start_export
+from lorasync.wire.layout import plan, raw_bytes
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "Adapter", "extra_weight_files"]
 
@@ -133,7 +136,7 @@ class Adapter:
             for key, tensor in _on_host(self._tensors).items():
                 cpu = _cpu_contiguous(tensor)
                 h.update(f"\0{key}\0{cpu.dtype}\0{tuple(cpu.shape)}\0".encode())
-                h.update(_raw_bytes(cpu))  # the tensor's memory in place: no staging copy
+                h.update(raw_bytes(cpu))  # the tensor's memory in place: no staging copy
             self._hash = h.hexdigest()
         return self._hash
 
@@ -155,6 +158,24 @@ class Adapter:
         """A copy with tensors cast/moved (same config)."""
         tensors = {k: t.to(device=device, dtype=dtype) for k, t in self._tensors.items()}
         return Adapter(tensors, self._config)
+
+    def to_host(self, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Adapter:
+        """This adapter with every tensor in host memory, in one transfer per GPU and one wait.
+
+        Returns ``self`` when nothing is on a GPU. The new adapter's tensors are views of one
+        page-locked buffer laid out as ``adapter_model.safetensors``; validation and the content
+        hash carry over.
+
+        Args:
+            chunk_bytes (`int`, defaults to 32 MiB): device-side gather size per transfer
+                (``0``: one transfer per tensor, no extra GPU memory).
+        """
+        if not _any_cuda(self._tensors):
+            return self
+        buffer, wait = start_export(self._tensors, chunk_bytes=chunk_bytes)
+        host = self._with_tensors(buffer.tensors)  # while the transfers run
+        wait()
+        return host
 
     def _with_tensors(self, tensors: Mapping[str, torch.Tensor]) -> Adapter:
         """This adapter over ``tensors``: the same keys, shapes, dtype and bytes elsewhere (e.g.
@@ -187,8 +208,6 @@ class Adapter:
             path.mkdir(parents=True, exist_ok=True)
             if _any_cuda(self._tensors):
                 # One device-to-host transfer, the file already laid out in the host buffer.
-                from lorasync.transports._d2h import serialize
-
                 serialize(self._tensors, {"format": "pt"}).write_to(path / ADAPTER_WEIGHTS)
             else:
                 tensors = {k: _cpu_contiguous(t) for k, t in self._tensors.items()}
@@ -275,8 +294,6 @@ def _on_host(tensors: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
     """``tensors`` in host memory: GPU tensors in one transfer (not one GPU wait per tensor)."""
     if not _any_cuda(tensors):
         return tensors
-    from lorasync.transports._d2h import serialize
-
     return serialize(tensors).tensors
 
 
@@ -298,37 +315,26 @@ def _cpu_contiguous(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def _raw_bytes(tensor: torch.Tensor) -> Any:
-    """The bytes of a CPU-contiguous tensor as a buffer (a numpy view; nothing is copied)."""
-    flat = tensor if tensor.dim() else tensor.reshape(1)
-    return flat.view(torch.uint8).numpy()
-
-
 def _save_safetensors(tensors: Mapping[str, torch.Tensor], file: Path, *, metadata: Mapping[str, str]) -> None:
     """Write CPU-contiguous ``tensors`` as a safetensors file, each tensor's memory handed
     straight to ``write`` (no staging copy, little per-tensor overhead).
 
-    The layout is the shared-memory codec's (``plan_layout``: the safetensors format, which
-    ``safetensors`` reads). Speed only: for ~500 tensors / 87 MB, ``save_file`` costs ~1.2-1.5x a
+    The layout is :func:`lorasync.wire.layout.plan` in the caller's order (the safetensors
+    format, which ``safetensors`` reads). Speed only: for ~500 tensors / 87 MB, ``save_file`` costs ~1.2-1.5x a
     raw write of the bytes on tmpfs, this ~1.1x (``lorasync bench publish``). Dtypes the layout
     cannot name (float8) and big-endian hosts use ``save_file``.
     """
-    from lorasync.transports._shm import plan_layout  # lazy: transports import this module
-
     try:
         if sys.byteorder != "little":
-            raise TypeError("big-endian host")
-        layout = plan_layout(tensors, metadata)
-    except TypeError:
+            raise UnsupportedDtypeError("big-endian host")
+        layout = plan(tensors, metadata, grouped=False)
+    except UnsupportedDtypeError:
         from safetensors.torch import save_file
 
         save_file(dict(tensors), str(file), metadata=dict(metadata))
         return
     with open(file, "wb") as f:
-        f.write(layout.header)
-        for _, tensor in layout.entries:
-            if tensor.numel():
-                f.write(_raw_bytes(tensor))
+        layout.write_file(f, list(tensors.values()))
 
 
 def _validate(modules: Mapping[str, Mapping[str, torch.Tensor]], config: AdapterConfig, *, check_finite: bool) -> None:

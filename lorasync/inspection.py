@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from lorasync._adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from lorasync.wire.dtypes import size_of_name
 
 __all__ = ["Finding", "Inspection", "inspect_adapter"]
 
@@ -178,9 +179,5 @@ def _safetensors_header(path: Path) -> dict[str, Any]:
             size = 1
             for d in shape:
                 size *= d
-            header[key] = {"dtype": dtype, "shape": shape, "data_offsets": [0, size * _itemsize(dtype)]}
+            header[key] = {"dtype": dtype, "shape": shape, "data_offsets": [0, size * size_of_name(dtype)]}
         return header
-
-
-def _itemsize(dtype: str) -> int:
-    return {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "F16": 2, "BF16": 2, "I16": 2}.get(dtype.upper(), 1)
