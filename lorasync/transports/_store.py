@@ -86,7 +86,7 @@ class DiskStore:
         final = self.path_for(name, version)
         existing = self.content_hash(name, version)
         if existing is not None:
-            if existing == adapter.content_hash:
+            if adapter.matches_hash(existing):
                 return final, 0
             raise PublishError(
                 f"{name} v{version} is already published at {final} with different content; published "
@@ -99,9 +99,9 @@ class DiskStore:
             parent.mkdir(parents=True, exist_ok=True)
             self._sweep(parent)
             tmp = parent / f".tmp-v{version}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-            adapter.save(tmp)
+            digest = adapter.save_hashed(tmp)[1]  # the hash of the bytes written, same pass
             (tmp / META).write_text(
-                json.dumps({"name": name, "version": version, "content_hash": adapter.content_hash, "created": time.time()})
+                json.dumps({"name": name, "version": version, "content_hash": digest, "created": time.time()})
             )
             for fname in (ADAPTER_WEIGHTS, ADAPTER_CONFIG, META):
                 _fsync_file(tmp / fname)
@@ -112,7 +112,7 @@ class DiskStore:
             except OSError:
                 # Someone published the same version concurrently: equal content is fine.
                 shutil.rmtree(tmp, ignore_errors=True)
-                if self.content_hash(name, version) == adapter.content_hash:
+                if self.content_hash(name, version) == digest:
                     return final, 0
                 raise
             _fsync_dir(parent)

@@ -29,7 +29,7 @@ import json
 import math
 import operator
 import struct
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any, NamedTuple
 
@@ -160,28 +160,18 @@ class Layout:
             else:
                 out[start + begin : start + end].copy_(src)
 
-    def write_file(self, f: IO[bytes], values: Sequence[torch.Tensor], *, update: Callable[[Any], None] | None = None) -> int:
+    def write_file(self, f: IO[bytes], values: Sequence[torch.Tensor]) -> int:
         """Write the file to the open binary file ``f``: the prefix, then each tensor's memory
         handed straight to ``write`` (no staging copy). ``values`` must be CPU-contiguous and
         ordered by data position (``grouped=False`` layouts: the caller's order).
 
-        Args:
-            update (*optional*): called with every buffer written, in order (e.g. a hash's
-                ``update``), so a digest of the bytes comes out of the same pass.
-
         Returns:
             Bytes written.
         """
-        head = self.prefix.numpy()
-        written = f.write(head)
-        if update is not None:
-            update(head)
+        written = f.write(self.prefix.numpy())
         for (begin, end), tensor in zip(self.spans, values):
             if end > begin:
-                raw = raw_bytes(tensor)
-                written += f.write(raw)
-                if update is not None:
-                    update(raw)
+                written += f.write(raw_bytes(tensor))
         return written
 
     def pieces(self, chunk_bytes: int, first_bytes: int | None = None) -> tuple[Piece, ...]:

@@ -26,6 +26,8 @@ ROWS = (
     ("hostile", "hostile inputs tried"),
     ("hostile_rejected", "  ... rejected with the expected typed error"),
     ("vllm_restart", "real vLLM killed before verify, recovered"),
+    ("stale", "live adapters changed in place, republished"),
+    ("stale_served", "  ... published and served bit for bit (no stale skip)"),
 )
 
 
