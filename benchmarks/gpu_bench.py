@@ -249,7 +249,7 @@ def import_steps(spec: dict, steps: dict[str, float]) -> dict[str, torch.Tensor]
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     from lorasync.wire.cuda_ipc import _local_index, parse_spec
-    from lorasync.wire.layout import apply_views
+    from lorasync.wire.views import apply_views
 
     t = time.perf_counter()
 

@@ -32,7 +32,8 @@ from lorasync.errors import (
     UnsupportedDtypeError,
 )
 from lorasync.wire.d2h import DEFAULT_CHUNK_BYTES, serialize, start_export
-from lorasync.wire.layout import plan, raw_bytes
+from lorasync.wire.layout import plan
+from lorasync.wire.views import raw_bytes
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "HASH_PREFIX", "Adapter", "extra_weight_files"]
 

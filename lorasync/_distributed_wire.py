@@ -22,7 +22,8 @@ from lorasync._config import AdapterConfig
 from lorasync._probe import Probe
 from lorasync._report import EngineResult
 from lorasync.errors import LoraSyncError, PublishError, TransportError
-from lorasync.wire.layout import plan, read
+from lorasync.wire.layout import plan
+from lorasync.wire.views import read
 
 __all__ = [
     "decode_adapter",

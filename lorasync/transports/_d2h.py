@@ -6,8 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 from lorasync.wire.d2h import DEFAULT_CHUNK_BYTES, HostBuffer, gather_into, serialize, to_shm_segment
-from lorasync.wire.layout import Layout, ViewPlan, apply_views, plan_views, views
+from lorasync.wire.layout import Layout
 from lorasync.wire.layout import plan as layout
+from lorasync.wire.views import ViewPlan, apply_views, plan_views, views
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",

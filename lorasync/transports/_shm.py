@@ -3,7 +3,7 @@ written against it keep importing until they are merged; new code imports ``lora
 
 from __future__ import annotations
 
-from lorasync.wire.layout import read as parse_layout
+from lorasync.wire.views import read as parse_layout
 from lorasync.wire.shm import ShmSegment, read_segment, write_segment
 
 __all__ = ["ShmSegment", "parse_layout", "read_segment", "write_segment"]

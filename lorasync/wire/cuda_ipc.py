@@ -35,7 +35,8 @@ import torch
 
 from lorasync.errors import CudaIpcUnavailableError, WireFormatError
 from lorasync.wire.d2h import gather_into
-from lorasync.wire.layout import ViewPlan, apply_views, plan, plan_views
+from lorasync.wire.layout import plan
+from lorasync.wire.views import ViewPlan, apply_views, plan_views
 
 __all__ = ["SPEC_VERSION", "CudaExport", "CudaIpcUnavailable", "CudaIpcUnavailableError", "export_tensors", "import_tensors", "parse_spec"]
 

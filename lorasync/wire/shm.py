@@ -21,7 +21,8 @@ from multiprocessing import resource_tracker, shared_memory
 import torch
 
 from lorasync.errors import StorageError, WireFormatError
-from lorasync.wire.layout import plan, read
+from lorasync.wire.layout import plan
+from lorasync.wire.views import read
 
 __all__ = ["ShmSegment", "create_segment", "read_segment", "write_segment"]
 

@@ -19,7 +19,7 @@ from lorasync.engines.vllm_worker import CONFIG_KEY, LoraSyncWorkerExtension
 from lorasync.wire.cuda_ipc import SPEC_VERSION, CudaIpcUnavailable, export_tensors, import_tensors, parse_spec
 from lorasync.wire.d2h import serialize
 from lorasync.wire.layout import plan as layout
-from lorasync.wire.layout import plan_views, views
+from lorasync.wire.views import plan_views, views
 from lorasync.wire.shm import read_segment
 
 
