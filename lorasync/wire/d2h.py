@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lorasync.wire.layout import Layout, plan, probe
-from lorasync.wire.shm import ShmSegment, create_segment, write_segment
+from lorasync.wire.shm import ShmSegment, create_segment, shared, write_segment
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "HostBuffer", "gather_into", "serialize", "start_export", "to_shm_segment"]
 
@@ -195,10 +195,11 @@ def to_shm_segment(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, s
     """A shared-memory segment (safetensors layout) holding ``tensors``, wherever they live.
 
     CPU tensors are copied straight in; GPU tensors go through :func:`serialize` (one transfer per
-    device, one wait) and then one memcpy into the segment.
+    device, one wait) and then one memcpy into the segment. Inside
+    :func:`lorasync.wire.shm.sharing`, the scope's segment for them.
     """
     if any(t.is_cuda for t in tensors.values()):
-        return serialize(tensors, metadata).to_shm()
+        return shared(tensors, metadata, lambda: serialize(tensors, metadata).to_shm())
     return write_segment(tensors, metadata)
 
 

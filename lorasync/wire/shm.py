@@ -9,12 +9,22 @@ attaching consumer in the same process must not unregister it from the resource 
 would leak it if the producer dies), and a consumer in another process must (Python < 3.13
 would otherwise unlink the producer's segment when the consumer exits).
 
+Fan-out: inside :func:`sharing` (the IPC transport opens one :class:`SegmentScope` per publish
+for all its engines), :func:`write_segment` and ``wire.d2h.to_shm_segment`` make each distinct
+(tensors, metadata) segment once and hand every later caller the same one; callers' ``release``
+is then a no-op and the scope releases the segments when the last engine is done. A scope lives
+for one publish only, so bytes are never reused across publishes (the tensors may be the
+trainer's own, changed in place since).
+
 Ground floor: imports only the standard library, torch and lorasync's wire and error modules.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import contextlib
+import contextvars
+import threading
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
 
@@ -24,7 +34,7 @@ from lorasync.errors import StorageError, WireFormatError
 from lorasync.wire.layout import plan
 from lorasync.wire.views import read
 
-__all__ = ["ShmSegment", "create_segment", "read_segment", "write_segment"]
+__all__ = ["SegmentScope", "ShmSegment", "create_segment", "read_segment", "shared", "sharing", "write_segment"]
 
 _OWNED: set[str] = set()  # segments created by this process
 
@@ -51,6 +61,68 @@ class ShmSegment:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+class _Borrowed(ShmSegment):
+    """A scope's segment as one caller sees it: releasing it is the scope's job."""
+
+    def release(self) -> None:
+        """No-op: the :class:`SegmentScope` releases the segment."""
+
+
+class SegmentScope:
+    """The segments of one publish, shared by every engine on this host (see module docstring).
+
+    Thread-safe: the first caller of a key makes the segment while later ones wait, then reuse it.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._segments: dict[object, ShmSegment] = {}
+        self.made = 0  # segments made (for tests and benchmarks)
+        self.shared = 0  # calls answered with an existing segment
+
+    def get(self, key: object, make: Callable[[], ShmSegment]) -> ShmSegment:
+        """The segment for ``key``, made with ``make`` on first use."""
+        with self._lock:
+            seg = self._segments.get(key)
+            if seg is None:
+                seg = self._segments[key] = make()
+                self.made += 1
+            else:
+                self.shared += 1
+        return _Borrowed(name=seg.name, nbytes=seg.nbytes, _shm=seg._shm)
+
+    def close(self) -> None:
+        """Release every segment (idempotent)."""
+        with self._lock:
+            segments, self._segments = list(self._segments.values()), {}
+        for seg in segments:
+            seg.release()
+
+
+_SCOPE: contextvars.ContextVar[SegmentScope | None] = contextvars.ContextVar("lorasync_segment_scope", default=None)
+
+
+@contextlib.contextmanager
+def sharing(scope: SegmentScope) -> Iterator[SegmentScope]:
+    """Segments made in this context (this task, threads it starts with ``asyncio.to_thread``)
+    come from ``scope``."""
+    token = _SCOPE.set(scope)
+    try:
+        yield scope
+    finally:
+        _SCOPE.reset(token)
+
+
+def shared(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None, make: Callable[[], ShmSegment]) -> ShmSegment:
+    """``make()``, or the active scope's segment for these tensors and metadata."""
+    scope = _SCOPE.get()
+    if scope is None:
+        return make()
+    # The mapping's identity: one Adapter's tensors within one publish (the scope's lifetime).
+    key = (id(tensors), tuple(sorted((metadata or {}).items())))
+    return scope.get(key, make)
 
 
 def create_segment(nbytes: int, fill: Callable[[torch.Tensor], None]) -> ShmSegment:
@@ -81,15 +153,19 @@ def create_segment(nbytes: int, fill: Callable[[torch.Tensor], None]) -> ShmSegm
 
 def write_segment(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> ShmSegment:
     """Copy ``tensors`` into a new shared-memory segment in safetensors layout (the caller's
-    order); each tensor is copied once.
+    order); each tensor is copied once. Inside :func:`sharing`, the scope's segment for them.
 
     Raises:
         UnsupportedDtypeError: a dtype safetensors cannot hold.
         StorageError: the segment cannot be created.
     """
-    layout = plan(tensors, metadata if metadata is not None else {}, grouped=False)
-    values = list(tensors.values())
-    return create_segment(layout.total, lambda view: layout.write_into(view, values))
+
+    def make() -> ShmSegment:
+        layout = plan(tensors, metadata if metadata is not None else {}, grouped=False)
+        values = list(tensors.values())
+        return create_segment(layout.total, lambda view: layout.write_into(view, values))
+
+    return shared(tensors, metadata, make)
 
 
 def read_segment(name: str, nbytes: int | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
