@@ -1,6 +1,9 @@
 """Adapter: the canonical in-memory LoRA adapter every exporter produces and every transport
 consumes.
 
+Over 400 lines on purpose: the class, its PEFT on-disk writer and its content hash stay together
+because the write pass and the hash must see the same bytes (:meth:`Adapter.save_hashed`).
+
 Tensors use PEFT's on-disk keys (``base_model.model.<module>.lora_A.weight`` ``[r, in]`` and
 ``.lora_B.weight`` ``[out, r]``); the config is an :class:`AdapterConfig`. Construction
 validates everything an engine would otherwise reject late or, worse, serve wrongly.
