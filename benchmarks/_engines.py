@@ -24,7 +24,7 @@ import torch
 from benchmarks._shapes import VLLM_FUSED
 from lorasync.engines import Capabilities, Engine
 from lorasync.errors import AdapterNotFoundError
-from lorasync.transports._shm import write_segment
+from lorasync.wire.shm import write_segment
 
 __all__ = ["CONFIG_KEY", "CountingEngine", "Counts", "ShmReader", "safetensors_data_bytes"]
 
@@ -119,7 +119,7 @@ def _segment_data_bytes(seg: Any) -> int:
 
 class ShmReader:
     """A second Python process (``benchmarks._reader``) that attaches to segments and copies
-    their tensors out with ``lorasync.transports._shm.read_segment``, as an engine worker does.
+    their tensors out with ``lorasync.wire.shm.read_segment``, as an engine worker does.
 
     It is a separate interpreter (not a multiprocessing child), so, like a real engine, it has its
     own resource tracker. Start once (it imports torch: seconds), then ``read()`` per handoff.

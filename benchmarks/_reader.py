@@ -13,7 +13,7 @@ from multiprocessing import resource_tracker, shared_memory
 import numpy as np
 import torch
 
-from lorasync.transports._shm import read_segment
+from lorasync.wire.shm import read_segment
 
 
 def _copy(name: str, nbytes: int) -> int:

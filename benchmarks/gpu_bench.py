@@ -4,7 +4,7 @@ Measures, on whatever CUDA device is present (written for the H200):
 
 * ceilings: device-memory copy bandwidth (bytes read + written), pinned D2H / H2D bandwidth;
 * export of a Qwen3-8B r16 all-linear bf16 adapter (36 layers x 7 modules, 504 tensors,
-  ~87 MB) to host memory: per-tensor ``.cpu()`` against ``lorasync.transports._d2h``;
+  ~87 MB) to host memory: per-tensor ``.cpu()`` against ``lorasync.wire.d2h``;
 * CUDA IPC handoff of the same adapter to a second process (export, map, copy, confirm, free);
 * the merged fold W0 + s*B*A over Qwen3-8B's linear weights, W0 on the GPU and streamed from host.
 
@@ -156,7 +156,7 @@ def ceilings(results: dict, quick: bool) -> None:
 
 
 def export(results: dict, quick: bool) -> None:
-    from lorasync.transports._d2h import serialize, to_host
+    from lorasync.wire.d2h import serialize
 
     adapter = make_adapter()
     tensors = dict(adapter.tensors)
@@ -171,13 +171,14 @@ def export(results: dict, quick: bool) -> None:
     results["serialize_per_tensor_async_ms"] = med(wall(lambda: serialize(tensors, chunk_bytes=0), repeat=repeat)) * 1e3
     results["serialize_ms"] = med(wall(lambda: serialize(tensors), repeat=repeat)) * 1e3
     results["serialize_8MiB_ms"] = med(wall(lambda: serialize(tensors, chunk_bytes=8 << 20), repeat=repeat)) * 1e3
-    results["to_host_ms"] = med(wall(lambda: to_host(adapter), repeat=repeat)) * 1e3
+    results["to_host_ms"] = med(wall(lambda: adapter.to_host(), repeat=repeat)) * 1e3
     # The same two measurements again: their spread is the noise floor of this table.
     results["serialize_ms_again"] = med(wall(lambda: serialize(tensors), repeat=repeat)) * 1e3
-    results["to_host_ms_again"] = med(wall(lambda: to_host(adapter), repeat=repeat)) * 1e3
+    results["to_host_ms_again"] = med(wall(lambda: adapter.to_host(), repeat=repeat)) * 1e3
 
     # Host time until every transfer is queued (the rest of serialize overlaps the transfers).
-    from lorasync.transports._d2h import DEFAULT_CHUNK_BYTES, gather_into, layout
+    from lorasync.wire.d2h import DEFAULT_CHUNK_BYTES, gather_into
+    from lorasync.wire.layout import plan as layout
 
     def launch() -> float:
         plan = layout(tensors)
@@ -195,7 +196,7 @@ def export(results: dict, quick: bool) -> None:
         serialize(tensors).to_shm().release()
 
     results["serialize_to_shm_ms"] = med(wall(to_shm, repeat=repeat)) * 1e3
-    profile_to(PROFILE_DIR and PROFILE_DIR / "profile_serialize.txt", lambda: to_host(adapter))
+    profile_to(PROFILE_DIR and PROFILE_DIR / "profile_serialize.txt", lambda: adapter.to_host())
     flat = results["d2h_pinned_87MB_ms_wall"]
     results["serialize_vs_flat_copy"] = flat / results["serialize_ms"]
     results["to_host_vs_flat_copy"] = flat / results["to_host_ms"]
@@ -204,7 +205,7 @@ def export(results: dict, quick: bool) -> None:
 def consumer_main() -> None:
     """Second process: map, copy, confirm; one JSON line in, one out."""
     from lorasync.engines.vllm_worker import LoraSyncWorkerExtension
-    from lorasync.transports._cuda_ipc import import_tensors
+    from lorasync.wire.cuda_ipc import import_tensors
 
     class _Manager:
         def _load_adapter(self, request: object) -> object:
@@ -247,8 +248,8 @@ def import_steps(spec: dict, steps: dict[str, float]) -> dict[str, torch.Tensor]
     """``import_tensors`` step by step (same calls), timing each step into ``steps``."""
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-    from lorasync.transports._cuda_ipc import _local_index, parse_spec
-    from lorasync.transports._d2h import apply_views
+    from lorasync.wire.cuda_ipc import _local_index, parse_spec
+    from lorasync.wire.views import apply_views
 
     t = time.perf_counter()
 
@@ -277,7 +278,7 @@ def import_steps(spec: dict, steps: dict[str, float]) -> dict[str, torch.Tensor]
 
 def handoff(results: dict, quick: bool) -> None:
     from lorasync.engines.vllm import CONFIG_KEY
-    from lorasync.transports._cuda_ipc import export_tensors
+    from lorasync.wire.cuda_ipc import export_tensors
 
     adapter = make_adapter(seed=2)
     config = json.dumps(adapter.config.to_peft().to_dict(), default=sorted)
@@ -322,7 +323,7 @@ def handoff(results: dict, quick: bool) -> None:
 
 def fold(results: dict, quick: bool) -> None:
     from lorasync import BaseWeights
-    from lorasync.transports._d2h import serialize
+    from lorasync.wire.d2h import serialize
     from lorasync.transports._fold import fold_buckets
 
     def run(adapter, base, device=None, to_host=False) -> None:

@@ -1,6 +1,10 @@
 """Real vLLM: time from the publish call to the first completion served by the new weights, and
 lorasync's client-side overhead per HTTP endpoint.
 
+First, the benchmark of record (:mod:`benchmarks.vllm_peer`): lorasync's documented loop against
+what TRL / ART / SkyRL do (PEFT ``save_pretrained`` + load + unload) and the bare unload-then-load,
+on a 10 MB adapter model of its own server. Then the tiny-model modes below.
+
 A vLLM CPU server (the engine venv, ``LORASYNC_VLLM_PYTHON``) serves lorasync's tiny Llama with
 LoRA on and lorasync's worker extension. Modes: adapter over ``disk`` and ``ipc`` (versioned names,
 keep=2), the ``merged`` fold, and the naive ``unload-then-load`` of one fixed name (save, unload,
@@ -23,6 +27,8 @@ from typing import Any
 import torch
 
 from benchmarks._harness import Case, Goal, Options, Report, Table, fmt_bytes, fmt_ms, progress, timeit_many
+from benchmarks.vllm_peer import plot as plot_peer
+from benchmarks.vllm_peer import run_peer
 
 __all__ = ["run"]
 
@@ -111,7 +117,13 @@ def _run(opts: Options, tmp: Path, python: Path, repeats: int, warmup: int, titl
         f"Prompt {prompt}; one generated token (max_tokens=1, temperature 0).",
     ]
     report.data = {"modes": data, "overhead": {k: {"raw": r.to_dict(), "client": c.to_dict()} for k, (r, c) in overhead.items()}, "startup_s": startup, "prompt": prompt}
-    report.plot = lambda fig: _plot(fig, data, overhead)
+    # The benchmark of record: the peer case on a non-toy model (its own server, after this one).
+    peer = run_peer(opts, tmp / "peer", python, repeats, warmup)
+    report.tables[:0] = peer["tables"]
+    report.goals[:0] = peer["goals"]
+    report.notes += peer["notes"]
+    report.data["peer"] = peer["data"]
+    report.plot = lambda fig: _plot(fig, data, overhead, peer["data"])
     return report
 
 
@@ -240,8 +252,10 @@ def _client_overhead(engine: Any, url: str, adapter: Any, root: Path, prompt: li
     return {label: (times[f"raw {key}"], times[f"client {key}"]) for label, key in endpoints.items()}
 
 
-def _plot(fig: Any, data: dict[str, dict[str, list[Any]]], overhead: dict[str, tuple[Any, Any]]) -> None:
-    ax1, ax2 = fig.subplots(1, 2, width_ratios=[3, 2])
+def _plot(fig: Any, data: dict[str, dict[str, list[Any]]], overhead: dict[str, tuple[Any, Any]], peer: dict[str, Any]) -> None:
+    fig.set_size_inches(18, 6)
+    ax0, ax1, ax2 = fig.subplots(1, 3, width_ratios=[3, 3, 2])
+    plot_peer(ax0, peer)
     modes = list(data)
     pub = [statistics.median(data[m]["publish"]) * 1e3 for m in modes]
     first = [statistics.median(data[m]["first"]) * 1e3 for m in modes]

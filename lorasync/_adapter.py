@@ -1,6 +1,9 @@
 """Adapter: the canonical in-memory LoRA adapter every exporter produces and every transport
 consumes.
 
+Over 400 lines on purpose: the class, its PEFT on-disk writer and its content hash stay together
+because the write pass and the hash must see the same bytes (:meth:`Adapter.save_hashed`).
+
 Tensors use PEFT's on-disk keys (``base_model.model.<module>.lora_A.weight`` ``[r, in]`` and
 ``.lora_B.weight`` ``[out, r]``); the config is an :class:`AdapterConfig`. Construction
 validates everything an engine would otherwise reject late or, worse, serve wrongly.
@@ -29,12 +32,18 @@ from lorasync.errors import (
     NonFiniteError,
     ShapeMismatchError,
     StorageError,
+    UnsupportedDtypeError,
 )
+from lorasync.wire.d2h import DEFAULT_CHUNK_BYTES, serialize, start_export
+from lorasync.wire.layout import plan
+from lorasync.wire.views import raw_bytes
 
-__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "Adapter", "extra_weight_files"]
+__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "HASH_PREFIX", "Adapter", "extra_weight_files"]
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
+#: What every :attr:`Adapter.content_hash` starts with: the algorithm (older releases wrote bare SHA-256 hex).
+HASH_PREFIX = "xxh3-128:"
 
 
 class Adapter:
@@ -54,7 +63,7 @@ class Adapter:
         NonFiniteError: naming the offending key.
     """
 
-    __slots__ = ("_config", "_hash", "_modules", "_tensors")
+    __slots__ = ("_config", "_modules", "_tensors")
 
     def __init__(
         self,
@@ -79,7 +88,6 @@ class Adapter:
             {peft_key(m, s): pair[s] for m, pair in self._modules.items() for s in ("A", "B")}
         )
         self._config = config
-        self._hash: str | None = None
 
     # -- views ----------------------------------------------------------------------------
 
@@ -125,17 +133,43 @@ class Adapter:
 
     @property
     def content_hash(self) -> str:
-        """SHA-256 over config, keys, dtypes, shapes and bytes; independent of dict order and
-        device, so an unchanged adapter is recognised wherever it lives."""
-        if self._hash is None:
+        """``"xxh3-128:<hex>"`` over config, keys, dtypes, shapes and bytes; independent of dict
+        order and device, so an unchanged adapter is recognised wherever it lives.
+
+        Computed from the bytes at every access, never cached: an Adapter may wrap the trainer's
+        own tensors (``export`` does not copy), which change in place between publishes. One
+        pass at memory speed (XXH3-128); :meth:`save_hashed` gets it out of the write pass.
+        """
+        h = _hasher()
+        for _ in self._hashed_chunks(h):
+            pass
+        return HASH_PREFIX + h.hexdigest()
+
+    def matches_hash(self, digest: str) -> bool:
+        """Whether ``digest`` (a recorded :attr:`content_hash`) names this adapter's content now.
+
+        Digests of lorasync before 0.2 (bare SHA-256 hex, as old stores recorded them) are
+        recomputed with SHA-256 and compared; anything else never matches.
+        """
+        if digest.startswith(HASH_PREFIX):
+            return digest == self.content_hash
+        if len(digest) == 64 and all(c in "0123456789abcdef" for c in digest):
             h = hashlib.sha256()
-            h.update(_canonical_config(self._config).encode())
-            for key, tensor in _on_host(self._tensors).items():
-                cpu = _cpu_contiguous(tensor)
-                h.update(f"\0{key}\0{cpu.dtype}\0{tuple(cpu.shape)}\0".encode())
-                h.update(_raw_bytes(cpu))  # the tensor's memory in place: no staging copy
-            self._hash = h.hexdigest()
-        return self._hash
+            for _ in self._hashed_chunks(h):
+                pass
+            return digest == h.hexdigest()
+        return False
+
+    def _hashed_chunks(self, h: Any) -> Iterator[Any]:
+        """Feed ``h`` the hashed stream and yield each tensor's bytes (CPU, contiguous, in key
+        order) right after it was hashed, so a writer can put it on disk in the same pass."""
+        h.update(_canonical_config(self._config).encode())
+        for key, tensor in _on_host(self._tensors).items():
+            cpu = _cpu_contiguous(tensor)
+            h.update(f"\0{key}\0{cpu.dtype}\0{tuple(cpu.shape)}\0".encode())
+            raw = raw_bytes(cpu)  # the tensor's memory in place: no staging copy
+            h.update(raw)
+            yield raw
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._tensors)
@@ -156,16 +190,33 @@ class Adapter:
         tensors = {k: t.to(device=device, dtype=dtype) for k, t in self._tensors.items()}
         return Adapter(tensors, self._config)
 
+    def to_host(self, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Adapter:
+        """This adapter with every tensor in host memory, in one transfer per GPU and one wait.
+
+        Returns ``self`` when nothing is on a GPU. The new adapter's tensors are views of one
+        page-locked buffer laid out as ``adapter_model.safetensors``; validation and the content
+        hash are unchanged.
+
+        Args:
+            chunk_bytes (`int`, defaults to 32 MiB): device-side gather size per transfer
+                (``0``: one transfer per tensor, no extra GPU memory).
+        """
+        if not _any_cuda(self._tensors):
+            return self
+        buffer, wait = start_export(self._tensors, chunk_bytes=chunk_bytes)
+        host = self._with_tensors(buffer.tensors)  # while the transfers run
+        wait()
+        return host
+
     def _with_tensors(self, tensors: Mapping[str, torch.Tensor]) -> Adapter:
         """This adapter over ``tensors``: the same keys, shapes, dtype and bytes elsewhere (e.g.
-        copied to the host), so validation and the content hash carry over."""
+        copied to the host), so validation carries over."""
         new = object.__new__(Adapter)
         # Keys alternate A, B in module order (see __init__): no key parsing needed.
         keys = list(self._tensors)
         new._modules = {m: {"A": tensors[keys[2 * i]], "B": tensors[keys[2 * i + 1]]} for i, m in enumerate(self._modules)}
         new._tensors = MappingProxyType({k: tensors[k] for k in keys})
         new._config = self._config
-        new._hash = self._hash
         return new
 
     # -- PEFT on-disk format ----------------------------------------------------------------
@@ -182,22 +233,45 @@ class Adapter:
         Raises:
             StorageError: the directory cannot be written.
         """
-        path = Path(directory)
+        return self._write(Path(directory), None)[0]
+
+    def save_hashed(self, directory: str | os.PathLike[str]) -> tuple[Path, str]:
+        """:meth:`save`, and the :attr:`content_hash` of exactly the bytes written, computed in
+        the same pass (each tensor hashed right before its memory is written).
+
+        Returns:
+            ``(directory, content_hash)``.
+
+        Raises:
+            StorageError: the directory cannot be written.
+        """
+        h = _hasher()
+        path, hashed = self._write(Path(directory), h)
+        if not hashed:  # a dtype the fast writer cannot lay out: hashed on its own
+            for _ in self._hashed_chunks(h):
+                pass
+        return path, HASH_PREFIX + h.hexdigest()
+
+    def _write(self, path: Path, h: Any) -> tuple[Path, bool]:
+        """Save into ``path``, feeding ``h`` (when given) the hashed stream; whether it was fed."""
+        hashed = False
         try:
             path.mkdir(parents=True, exist_ok=True)
             if _any_cuda(self._tensors):
                 # One device-to-host transfer, the file already laid out in the host buffer.
-                from lorasync.transports._d2h import serialize
-
-                serialize(self._tensors, {"format": "pt"}).write_to(path / ADAPTER_WEIGHTS)
+                buffer = serialize(self._tensors, {"format": "pt"})
+                buffer.write_to(path / ADAPTER_WEIGHTS)
+                if h is not None:
+                    for _ in self._with_tensors(buffer.tensors)._hashed_chunks(h):
+                        pass
+                    hashed = True
             else:
-                tensors = {k: _cpu_contiguous(t) for k, t in self._tensors.items()}
-                _save_safetensors(tensors, path / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+                hashed = _save_safetensors(self, path / ADAPTER_WEIGHTS, metadata={"format": "pt"}, h=h)
             # PEFT sorts pattern keys on disk; pin them so the file means what the trainer ran.
             self._config.pinned(self._modules).to_peft().save_pretrained(str(path))
         except OSError as exc:
             raise StorageError(f"cannot write adapter to {path}: {exc}; check the path and free space") from exc
-        return path
+        return path, hashed
 
     @classmethod
     def load(cls, directory: str | os.PathLike[str], *, check_finite: bool = False) -> Adapter:
@@ -275,8 +349,6 @@ def _on_host(tensors: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
     """``tensors`` in host memory: GPU tensors in one transfer (not one GPU wait per tensor)."""
     if not _any_cuda(tensors):
         return tensors
-    from lorasync.transports._d2h import serialize
-
     return serialize(tensors).tensors
 
 
@@ -298,37 +370,43 @@ def _cpu_contiguous(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def _raw_bytes(tensor: torch.Tensor) -> Any:
-    """The bytes of a CPU-contiguous tensor as a buffer (a numpy view; nothing is copied)."""
-    flat = tensor if tensor.dim() else tensor.reshape(1)
-    return flat.view(torch.uint8).numpy()
+def _save_safetensors(adapter: Adapter, file: Path, *, metadata: Mapping[str, str], h: Any = None) -> bool:
+    """Write the CPU ``adapter``'s tensors as a safetensors file, each tensor's memory handed
+    straight to ``write`` (no staging copy, little per-tensor overhead); with ``h``, each
+    tensor is hashed (:meth:`Adapter._hashed_chunks`) right before it is written. Returns
+    whether ``h`` was fed.
 
-
-def _save_safetensors(tensors: Mapping[str, torch.Tensor], file: Path, *, metadata: Mapping[str, str]) -> None:
-    """Write CPU-contiguous ``tensors`` as a safetensors file, each tensor's memory handed
-    straight to ``write`` (no staging copy, little per-tensor overhead).
-
-    The layout is the shared-memory codec's (``plan_layout``: the safetensors format, which
-    ``safetensors`` reads). Speed only: for ~500 tensors / 87 MB, ``save_file`` costs ~1.2-1.5x a
-    raw write of the bytes on tmpfs, this ~1.1x (``lorasync bench publish``). Dtypes the layout
-    cannot name (float8) and big-endian hosts use ``save_file``.
+    The layout is :func:`lorasync.wire.layout.plan` in the caller's order (the safetensors
+    format, which ``safetensors`` reads). Speed only: for ~500 tensors / 87 MB, ``save_file``
+    costs ~1.2-1.5x a raw write of the bytes on tmpfs, this ~1.1x (``lorasync bench publish``).
+    Dtypes the layout cannot name (float8) and big-endian hosts use ``save_file``.
     """
-    from lorasync.transports._shm import plan_layout  # lazy: transports import this module
-
+    tensors = {k: _cpu_contiguous(t) for k, t in adapter.tensors.items()}
     try:
         if sys.byteorder != "little":
-            raise TypeError("big-endian host")
-        layout = plan_layout(tensors, metadata)
-    except TypeError:
+            raise UnsupportedDtypeError("big-endian host")
+        layout = plan(tensors, metadata, grouped=False)
+    except UnsupportedDtypeError:
         from safetensors.torch import save_file
 
-        save_file(dict(tensors), str(file), metadata=dict(metadata))
-        return
+        save_file(tensors, str(file), metadata=dict(metadata))
+        return False
     with open(file, "wb") as f:
-        f.write(layout.header)
-        for _, tensor in layout.entries:
-            if tensor.numel():
-                f.write(_raw_bytes(tensor))
+        if h is None:
+            layout.write_file(f, list(tensors.values()))
+            return False
+        f.write(layout.prefix.numpy())
+        for raw in adapter._hashed_chunks(h):
+            if len(raw):
+                f.write(raw)
+    return True
+
+
+def _hasher() -> Any:
+    """A fresh XXH3-128 hasher (``xxhash``; imported here: engine-side processes never hash)."""
+    import xxhash
+
+    return xxhash.xxh3_128()
 
 
 def _validate(modules: Mapping[str, Mapping[str, torch.Tensor]], config: AdapterConfig, *, check_finite: bool) -> None:

@@ -175,6 +175,7 @@ class Publisher:
         digest = await asyncio.to_thread(lambda: adapter.content_hash)
         timings["hash"] = time.perf_counter() - t0
         async with _held(self._lock):
+            self._disk.new_publish()
             results = await asyncio.gather(*(self._guarded(e, adapter, version, digest, probe) for e in self.engines))
             t0 = time.perf_counter()
             await self._collect_files(version)

@@ -39,7 +39,10 @@ Every message says what to do next.
     │   ├── AdapterNotFoundError             unknown name on unload, or path without adapter
     │   └── CapacityError                    the engine has no free adapter slot
     ├── TransportError                       moving bytes to an engine failed
-    │   └── StorageError (OSError)           disk/shared-memory I/O failed
+    │   ├── StorageError (OSError)           disk/shared-memory I/O failed
+    │   ├── WireFormatError (ValueError)     bytes or a stage spec that are not a valid wire format
+    │   │   └── UnsupportedDtypeError (TypeError)   a dtype the wire format cannot name
+    │   └── CudaIpcUnavailableError (RuntimeError)  this process cannot map the producer's GPU memory
     └── PublishError                         publisher-level refusals
         ├── StaleVersionError                an older version would replace a newer one
         └── VerificationError                the engine does not reproduce the trainer's probe
@@ -60,6 +63,7 @@ __all__ = [
     "CapabilityError",
     "CapacityError",
     "ConfigError",
+    "CudaIpcUnavailableError",
     "DtypeMismatchError",
     "DuplicateRegistrationError",
     "EngineError",
@@ -89,7 +93,9 @@ __all__ = [
     "UnknownAdapterNameError",
     "UnknownEngineError",
     "UnknownModuleError",
+    "UnsupportedDtypeError",
     "VerificationError",
+    "WireFormatError",
 ]
 
 
@@ -268,6 +274,20 @@ class TransportError(LoraSyncError):
 
 class StorageError(TransportError, OSError):
     """Disk or shared-memory I/O failed."""
+
+
+class WireFormatError(TransportError, ValueError):
+    """Bytes (a safetensors layout, a shared-memory segment) or a stage spec that are not a
+    valid lorasync wire format: truncated, corrupt, or written by something else."""
+
+
+class UnsupportedDtypeError(WireFormatError, TypeError):
+    """A tensor dtype the safetensors wire format cannot name (cast the tensors first)."""
+
+
+class CudaIpcUnavailableError(TransportError, RuntimeError):
+    """This process cannot map the producer's GPU memory (no CUDA, the GPU is not visible, or
+    the driver refused the handle); the caller falls back to host shared memory."""
 
 
 class PublishError(LoraSyncError):

@@ -23,6 +23,7 @@ from lorasync._config import AdapterConfig
 from lorasync._keys import split_saved_key
 from lorasync.engines.sglang import rules as sglang_rules
 from lorasync.errors import ConfigError
+from lorasync.wire.dtypes import size_of_name
 
 __all__ = ["Finding", "Inspection", "inspect_adapter"]
 
@@ -207,9 +208,5 @@ def _safetensors_header(path: Path) -> dict[str, Any]:
             size = 1
             for d in shape:
                 size *= d
-            header[key] = {"dtype": dtype, "shape": shape, "data_offsets": [0, size * _itemsize(dtype)]}
+            header[key] = {"dtype": dtype, "shape": shape, "data_offsets": [0, size * size_of_name(dtype)]}
         return header
-
-
-def _itemsize(dtype: str) -> int:
-    return {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "F16": 2, "BF16": 2, "I16": 2}.get(dtype.upper(), 1)

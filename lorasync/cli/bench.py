@@ -1,7 +1,9 @@
 """``lorasync bench [NAME ...]``: measure lorasync on your own model shapes.
 
 Benchmarks: ``bytes`` (adapter vs merged payload), ``publish`` (disk publish and IPC handoff vs
-raw-write, PEFT-save and memcpy floors), ``vllm`` (publish → first completion on a real vLLM),
+raw-write, PEFT-save and memcpy floors), ``vllm`` (trainer weights → first completion on a real
+vLLM: lorasync vs PEFT save_pretrained + load, the benchmark of record; ``--shape qwen3-0.6b``
+adds a Qwen3-0.6B-shaped model),
 ``fanout`` (1–8 engines), ``fold`` (merged-fold peak memory vs bucket size). Without NAME all
 run. Each prints a markdown table and writes ``NAME.json``, ``NAME.md`` and ``NAME.png`` under
 ``--out``. The suite lives in the source tree (``benchmarks/`` next to ``lorasync/``).

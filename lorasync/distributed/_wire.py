@@ -1,7 +1,7 @@
 """Wire formats of the distributed publisher: no pickle anywhere.
 
 * An Adapter travels as one flat ``uint8`` tensor in safetensors layout (the layout code of
-  :mod:`lorasync.transports._shm`); its config, content hash and optional probe ride in the
+  :mod:`lorasync.wire.layout`); its config, content hash and optional probe ride in the
   safetensors metadata as JSON strings. The receiver parses it with bounds checks and recomputes
   the content hash, so a corrupt or truncated buffer is refused, never served.
 * Engine results, errors and setup roles travel as JSON. Errors are rebuilt by class name from
@@ -23,7 +23,8 @@ from lorasync._config import AdapterConfig
 from lorasync._probe import Probe
 from lorasync._report import EngineResult
 from lorasync.errors import LoraSyncError, PublishError, TransportError
-from lorasync.transports._shm import parse_layout, plan_layout
+from lorasync.wire.layout import plan
+from lorasync.wire.views import read
 
 __all__ = [
     "decode_adapter",
@@ -64,9 +65,9 @@ def encode_adapter(adapter: Adapter, *, probe: Probe | None = None, device: torc
                 "atol": probe.atol,
             }
         )
-    layout = plan_layout(adapter.tensors, metadata)
-    out = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
-    layout.write_into(out)
+    layout = plan(adapter.tensors, metadata, grouped=False)
+    out = torch.empty(layout.total, dtype=torch.uint8, device=device)
+    layout.write_into(out, list(adapter.tensors.values()))
     return out
 
 
@@ -79,7 +80,7 @@ def decode_adapter(buffer: torch.Tensor) -> tuple[Adapter, Probe | None]:
     """
     cpu = buffer.detach().to("cpu").contiguous()
     try:
-        tensors, metadata = parse_layout(memoryview(cpu.numpy()), what="received adapter buffer")
+        tensors, metadata = read(memoryview(cpu.numpy()), what="received adapter buffer")
         config = AdapterConfig.from_peft(json.loads(metadata[CONFIG_KEY]))
         expected = metadata[HASH_KEY]
         raw_probe = json.loads(metadata[PROBE_KEY]) if PROBE_KEY in metadata else None

@@ -34,7 +34,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from lorasync._retry import RetryPolicy
-from lorasync.transports._d2h import to_shm_segment
+from lorasync.wire.d2h import to_shm_segment
 from lorasync.engines._base import Capabilities
 from lorasync.engines._http import Call, HTTPEngine, Operation, body_json, body_text
 from lorasync.errors import (
@@ -493,7 +493,7 @@ class VLLMEngine(HTTPEngine):
     def _stage_cuda(self, name: str, token: str, adapter: Adapter, config: str) -> Operation[bool]:
         """Hand the adapter's GPU tensors to every worker through CUDA IPC; False when some
         worker cannot map them (no CUDA, another GPU set), after undoing any partial staging."""
-        from lorasync.transports._cuda_ipc import export_tensors
+        from lorasync.wire.cuda_ipc import export_tensors
 
         export = export_tensors(adapter.tensors, {CONFIG_KEY: config})
         try:

@@ -36,8 +36,8 @@ from typing import Any
 
 import torch
 
-from lorasync.transports._cuda_ipc import CudaIpcUnavailable, import_tensors
-from lorasync.transports._shm import read_segment
+from lorasync.wire.cuda_ipc import CudaIpcUnavailable, import_tensors
+from lorasync.wire.shm import read_segment
 
 __all__ = ["IPC_PREFIX", "LoraSyncWorkerExtension"]
 

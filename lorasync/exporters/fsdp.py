@@ -34,6 +34,7 @@ def export(
     config: AdapterConfig | None = None,
     dtype: torch.dtype | None = None,
     base_model_name_or_path: str | None = None,
+    copy: bool = False,
 ) -> Adapter:
     """Turn trainer LoRA weights into an :class:`Adapter`.
 
@@ -52,9 +53,15 @@ def export(
         config (`AdapterConfig`, *optional*): explicit config; wins over the model's PEFT config.
         dtype (`torch.dtype`, *optional*): cast the exported tensors.
         base_model_name_or_path (`str`, *optional*): recorded in ``adapter_config.json``.
+        copy (`bool`, defaults to `False`): copy CPU tensors. Without it the Adapter holds the
+            trainer's own CPU parameters (detached, no copy): publish it before the next
+            optimizer step changes them (``publish`` returns once the engines serve the bytes it
+            wrote; the content hash is taken from those bytes, never cached), and pass
+            ``copy=True`` when the Adapter must outlive the step (a background publish, kept for
+            later). GPU, sharded and cast tensors are always copies.
 
     Returns:
-        `Adapter`: PEFT-keyed tensors on CPU, detached.
+        `Adapter`: PEFT-keyed tensors on CPU, detached (the trainer's own memory unless ``copy``).
 
     Raises:
         UnknownAdapterNameError: no LoRA weights for ``adapter_name``.
@@ -64,11 +71,12 @@ def export(
     """
     if isinstance(source, nn.Module):
         peft_cfg = _find_peft_config(source, adapter_name)
-        with _full_params(source):
-            raw = _collect(source.named_parameters(), adapter_name)
+        with _full_params(source) as unsharded:
+            # Unsharded FSDP1 parameters are freed on exit: those are always copied.
+            raw = _collect(source.named_parameters(), adapter_name, copy=copy or unsharded)
     else:
         peft_cfg = None
-        raw = _collect(source.items(), adapter_name)
+        raw = _collect(source.items(), adapter_name, copy=copy)
     if not raw:
         available = _adapter_names(source)
         raise UnknownAdapterNameError(
@@ -110,7 +118,7 @@ def export(
     return Adapter(tensors, cfg)
 
 
-def _collect(items: Any, adapter_name: str) -> dict[str, torch.Tensor]:
+def _collect(items: Any, adapter_name: str, *, copy: bool) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     source: dict[str, str] = {}
     for name, value in items:
@@ -124,7 +132,8 @@ def _collect(items: Any, adapter_name: str) -> dict[str, torch.Tensor]:
         if callable(full):  # DTensor (FSDP2 / TP): collective gather
             tensor = full()
         key = peft_key(*parsed)
-        tensor = tensor.to("cpu").clone()
+        # One copy at most: off-CPU tensors are copied by the move, CPU ones only when asked.
+        tensor = tensor.to("cpu") if tensor.device.type != "cpu" else tensor.clone() if copy else tensor
         if key in out and not torch.equal(out[key], tensor):
             # Two decorated names of one weight (e.g. with and without a wrapper prefix): which
             # one the trainer uses is unknowable, so neither is picked.
@@ -164,16 +173,17 @@ def _find_peft_config(model: nn.Module, adapter_name: str) -> Any | None:
 
 
 @contextlib.contextmanager
-def _full_params(model: nn.Module) -> Iterator[None]:
-    """Unshard FSDP1 flat parameters for the duration (collective). FSDP2 parameters are
-    DTensors, gathered per tensor with ``full_tensor()`` instead."""
+def _full_params(model: nn.Module) -> Iterator[bool]:
+    """Unshard FSDP1 flat parameters for the duration (collective); yields whether it did (their
+    memory is freed on exit). FSDP2 parameters are DTensors, gathered per tensor with
+    ``full_tensor()`` instead."""
     try:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     except ImportError:  # pragma: no cover - torch built without distributed
-        yield
+        yield False
         return
     if any(isinstance(m, FSDP) for m in model.modules()):
         with FSDP.summon_full_params(model, writeback=False, recurse=True):
-            yield
+            yield True
     else:
-        yield
+        yield False

@@ -1,15 +1,23 @@
-"""Fold LoRA deltas into pristine base weights, streamed in buckets of bounded size."""
+"""Fold LoRA deltas into pristine base weights, streamed in buckets of bounded size.
+
+Fan-out: :class:`SharedFold` runs one fold for every engine of a publish that needs the same
+buckets (same adapter, same modules to restore, same fused layout) and hands each bucket to all
+of them; a bucket is dropped once every engine has taken it, so memory grows only with how far
+the slowest engine lags behind the fastest.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 
 from lorasync._adapter import Adapter
 from lorasync.transports._base_weights import BaseWeights
 
-__all__ = ["fold_buckets", "fold_module"]
+__all__ = ["SharedFold", "fold_buckets", "fold_module"]
 
 
 def fold_module(
@@ -92,3 +100,106 @@ def fold_buckets(
         size += unit_bytes
     if bucket:
         yield bucket
+
+
+Bucket = dict[str, torch.Tensor]
+
+
+class SharedFold:
+    """One ``fold_buckets`` stream read by several consumers (thread-safe).
+
+    Every consumer :meth:`join`\ s before the first bucket is folded (a consumer arriving later
+    gets ``None`` and folds on its own); each reader yields every bucket once, in order. The
+    first reader to ask for a bucket folds it while the others wait; a reader that stops early
+    (an engine failed) leaves, so the buckets it will not take are not kept for it. A failing
+    fold raises its error to every reader that has not got all buckets.
+
+    Args:
+        make: starts the fold (``lambda: fold_buckets(...)``), called once, on first use.
+    """
+
+    def __init__(self, make: Callable[[], Iterator[Bucket]]) -> None:
+        self._make = make
+        self._stream: Iterator[Bucket] | None = None
+        self._lock = threading.Lock()
+        self._held: dict[int, list[Any]] = {}  # index -> [bucket, readers still to take it]
+        self._readers = 0
+        self._folded = 0  # buckets folded so far
+        self._end: int | None = None  # index of the end, once reached
+        self._error: BaseException | None = None  # the fold's failure, raised to every reader
+        self.folds = 0  # times the fold was started (1 when shared)
+
+    def join(self) -> _Reader | None:
+        """A reader of the shared buckets, or None when folding has already begun."""
+        with self._lock:
+            if self._stream is not None:
+                return None
+            self._readers += 1
+        return _Reader(self)
+
+    def _take(self, index: int) -> Bucket | None:
+        with self._lock:
+            if self._error is not None and index >= self._folded:
+                raise self._error  # never a short stream that looks complete
+            if index == self._folded and self._end is None:
+                if self._stream is None:
+                    self._stream, self.folds = self._make(), self.folds + 1
+                try:
+                    bucket = next(self._stream, None)
+                except BaseException as exc:
+                    self._error = exc
+                    raise
+                if bucket is None:
+                    self._end = index
+                else:
+                    self._held[index] = [bucket, self._readers]
+                    self._folded += 1
+            if self._end is not None and index >= self._end:
+                return None
+            entry = self._held[index]
+            entry[1] -= 1
+            if entry[1] == 0:
+                del self._held[index]
+            return entry[0]
+
+    def _leave(self, index: int) -> None:
+        """The reader that took ``index`` buckets is gone: release its claim on the others."""
+        with self._lock:
+            self._readers -= 1
+            for i in [i for i in self._held if i >= index]:
+                self._held[i][1] -= 1
+                if self._held[i][1] <= 0:
+                    del self._held[i]
+
+
+class _Reader:
+    """One consumer of a :class:`SharedFold`: an iterator of its buckets; ``close()`` leaves
+    (also before the first bucket, and implied once the buckets are exhausted)."""
+
+    def __init__(self, fold: SharedFold) -> None:
+        self._fold: SharedFold | None = fold
+        self._index = 0
+
+    def __iter__(self) -> _Reader:
+        return self
+
+    def __next__(self) -> Bucket:
+        fold = self._fold
+        if fold is None:
+            raise StopIteration
+        try:
+            bucket = fold._take(self._index)
+        except BaseException:
+            self.close()
+            raise
+        if bucket is None:
+            self.close()
+            raise StopIteration
+        self._index += 1
+        return bucket
+
+    def close(self) -> None:
+        """Leave the fold (idempotent): buckets not yet taken are no longer kept for this reader."""
+        if self._fold is not None:
+            fold, self._fold = self._fold, None
+            fold._leave(self._index)

@@ -245,7 +245,7 @@ class DiskStore:
         run_dir = self.own(name)
         existing = self.content_hash(name, version)
         if existing is not None:
-            if existing == adapter.content_hash:
+            if adapter.matches_hash(existing):
                 return final, 0
             raise PublishError(
                 f"{name} v{version} is already published in run {self.run!r} at {final} with different content; "
@@ -255,9 +255,9 @@ class DiskStore:
             )
         tmp = run_dir / f".tmp-v{version}-{secrets.token_hex(4)}"
         try:
-            adapter.save(tmp)
+            digest = adapter.save_hashed(tmp)[1]  # the hash of the bytes written, same pass
             (tmp / META).write_text(
-                json.dumps({"name": name, "version": version, "run": self.run, "content_hash": adapter.content_hash, "created": time.time()})
+                json.dumps({"name": name, "version": version, "run": self.run, "content_hash": digest, "created": time.time()})
             )
             if self.holders_of is not None:
                 (tmp / HOLDERS).write_text(json.dumps({"holders": sorted(set(self.holders_of(name, version))), "unloaded_at": None}))
@@ -272,7 +272,7 @@ class DiskStore:
             if exc.errno in (errno.ENOTEMPTY, errno.EEXIST) and final.exists():
                 # Only this run's owner writes here, so this is a second writer of the same version
                 # inside this publisher; equal content is the same publish.
-                if self.content_hash(name, version) == adapter.content_hash:
+                if self.content_hash(name, version) == digest:
                     return final, 0
                 raise PublishError(
                     f"{name} v{version} was published concurrently with different content in run {self.run!r}; "

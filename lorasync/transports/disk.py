@@ -29,6 +29,13 @@ class DiskTransport(Transport):
     def __init__(self, store: DiskStore) -> None:
         self.store = store
         self._locks: dict[tuple[str, int], asyncio.Lock] = {}
+        # What this publish already wrote: engines 2..N of a fan-out load the same directory
+        # without hashing the adapter again (the publisher clears it at each publish).
+        self._written: dict[tuple[str, int], tuple[Adapter, str]] = {}
+
+    def new_publish(self) -> None:
+        """Forget what earlier publishes wrote (their tensors may have changed in place since)."""
+        self._written.clear()
 
     def unsupported(self, caps: Capabilities) -> str | None:
         if not caps.lora or not caps.runtime_lora:
@@ -42,7 +49,11 @@ class DiskTransport(Transport):
         lock = self._locks.setdefault((name, version), asyncio.Lock())
         async with lock:
             start = time.perf_counter()
+            done = self._written.get((name, version))
+            if done is not None and done[0] is adapter:
+                return done[1], 0, time.perf_counter() - start
             path, written = await asyncio.to_thread(self.store.write, adapter, name, version)
+            self._written[(name, version)] = (adapter, str(path))
             return str(path), written, time.perf_counter() - start
 
     async def deliver(self, adapter: Adapter, engine: Engine, caps: Capabilities, *, name: str, version: int, served: str) -> Delivery:

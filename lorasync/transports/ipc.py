@@ -1,12 +1,18 @@
 """IPC transport: tensors handed to the engine without files (shared memory or CUDA IPC,
-chosen by the engine client)."""
+chosen by the engine client).
+
+Fan-out: the engines of one publish share one :class:`lorasync.wire.shm.SegmentScope`, so the
+adapter is copied into shared memory once for all engines on this host, not once per engine;
+the scope is released when the last of them has loaded (or failed).
+"""
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from lorasync.transports._base import Delivery, Transport
+from lorasync.wire.shm import SegmentScope, sharing
 
 if TYPE_CHECKING:
     from lorasync._adapter import Adapter
@@ -20,6 +26,9 @@ class IPCTransport(Transport):
 
     name = "ipc"
 
+    def __init__(self) -> None:
+        self._scopes: dict[tuple[str, int], list[Any]] = {}  # (name, version) -> [scope, engines in flight]
+
     def unsupported(self, caps: Capabilities) -> str | None:
         if not caps.lora or not caps.runtime_lora:
             return "engine cannot load LoRA adapters at runtime"
@@ -31,5 +40,14 @@ class IPCTransport(Transport):
 
     async def deliver(self, adapter: Adapter, engine: Engine, caps: Capabilities, *, name: str, version: int, served: str) -> Delivery:
         start = time.perf_counter()
-        await engine.aload_adapter_tensors(served, adapter)
+        entry = self._scopes.setdefault((name, version), [SegmentScope(), 0])
+        entry[1] += 1
+        try:
+            with sharing(entry[0]):
+                await engine.aload_adapter_tensors(served, adapter)
+        finally:
+            entry[1] -= 1
+            if entry[1] == 0:
+                del self._scopes[(name, version)]
+                entry[0].close()
         return Delivery(served_name=served, bytes_moved=adapter.nbytes, timings={"load": time.perf_counter() - start})

@@ -1,7 +1,8 @@
 """Merged transport: the fallback for engines that cannot serve LoRA (or not this one).
 
 Each touched base weight becomes ``W0 + s·B·A``, folded from the pristine base (never from an
-engine's already-merged weight), streamed to the engine in buckets of bounded size. Modules an
+engine's already-merged weight), streamed to the engine in buckets of bounded size. The engines
+of one publish that need the same buckets share one fold (:class:`~lorasync.transports._fold.SharedFold`). Modules an
 earlier merge touched but this adapter does not get their pristine W0 back. The engine brackets
 the buckets (``begin/end_weight_update``) so requests never see half an update; if a bucket
 fails, the previous merge is pushed back before the error propagates.
@@ -12,13 +13,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from lorasync.transports._base import Delivery, Transport
 from lorasync.transports._base_weights import BaseWeights
-from lorasync.transports._fold import fold_buckets
+from lorasync.transports._fold import SharedFold, fold_buckets
 
 if TYPE_CHECKING:
     from lorasync._adapter import Adapter
@@ -46,6 +47,8 @@ class MergedTransport(Transport):
         self.bucket_bytes = bucket_bytes
         self.device = device
         self._merged: dict[int, Adapter] = {}  # id(engine) -> adapter merged there now
+        # One fold per publish for every engine that needs the same buckets: key -> [fold, engines in flight].
+        self._shared: dict[tuple[Any, ...], list[Any]] = {}
 
     def unsupported(self, caps: Capabilities) -> str | None:
         if not caps.weight_update:
@@ -56,22 +59,37 @@ class MergedTransport(Transport):
         previous = self._merged.get(id(engine))
         restore = set(previous.modules) if previous is not None else set()
         start = time.perf_counter()
+        key = (version, id(adapter), frozenset(restore), tuple(map(tuple, caps.fused_modules)))
+        entry = self._shared.setdefault(key, [None, 0])
+        if entry[0] is None:
+            entry[0] = SharedFold(lambda: fold_buckets(adapter, self.base, bucket_bytes=self.bucket_bytes, restore=restore, fused=caps.fused_modules, device=self.device))
+        shared, entry[1] = entry[0].join(), entry[1] + 1  # joined before any await: all engines of the publish
+        try:
+            moved = await self._deliver(engine, adapter, previous, restore, caps, shared)
+        finally:
+            entry[1] -= 1
+            if entry[1] == 0 and self._shared.get(key) is entry:
+                del self._shared[key]
+        self._merged[id(engine)] = adapter
+        return Delivery(served_name="", bytes_moved=moved, timings={"load": time.perf_counter() - start})
+
+    async def _deliver(self, engine: Engine, adapter: Adapter, previous: Adapter | None, restore: set[str], caps: Capabilities, shared: Iterator[dict[str, torch.Tensor]] | None) -> int:
         await engine.abegin_weight_update()
         try:
             try:
-                moved = await self._push(engine, adapter, restore, caps)
+                return await self._push(engine, adapter, restore, caps, shared)
             except BaseException:
+                if shared is not None:
+                    _stop(shared)  # leave the shared fold: the other engines need not wait for us
                 # Put the engine back on the previous merge (or the pristine base) so it never
                 # serves half of this version.
                 await self._push(engine, previous, set(adapter.modules), caps)
                 raise
         finally:
             await engine.aend_weight_update()
-        self._merged[id(engine)] = adapter
-        return Delivery(served_name="", bytes_moved=moved, timings={"load": time.perf_counter() - start})
 
-    async def _push(self, engine: Engine, adapter: Adapter | None, restore: set[str], caps: Capabilities) -> int:
-        buckets: Iterator[dict[str, torch.Tensor]] = fold_buckets(
+    async def _push(self, engine: Engine, adapter: Adapter | None, restore: set[str], caps: Capabilities, shared: Iterator[dict[str, torch.Tensor]] | None = None) -> int:
+        buckets: Iterator[dict[str, torch.Tensor]] = shared if shared is not None else fold_buckets(
             adapter, self.base, bucket_bytes=self.bucket_bytes, restore=restore, fused=caps.fused_modules, device=self.device
         )
         moved = 0
@@ -96,3 +114,8 @@ class MergedTransport(Transport):
             return await self._push(engine, None, set(previous.modules), caps)
         finally:
             await engine.aend_weight_update()
+
+
+def _stop(reader: Any) -> None:
+    """Leave the shared fold (a reader still folding in a worker thread leaves when it ends)."""
+    reader.close()

@@ -8,6 +8,7 @@ import hashlib
 
 import pytest
 import torch
+import xxhash
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -30,15 +31,17 @@ def _adapter(dtype=torch.bfloat16, *, odd=False):
     return Adapter(tensors, AdapterConfig(r=4, lora_alpha=8))
 
 
-def _reference_hash(adapter):
-    """content_hash as first written: every tensor copied to bytes before hashing."""
-    h = hashlib.sha256()
+def _reference_hash(adapter, h=None):
+    """content_hash as first written (with the hash of today's digest format): every tensor
+    copied to bytes before hashing."""
+    legacy = h is not None
+    h = h or xxhash.xxh3_128()
     h.update(_canonical_config(adapter.config).encode())
     for key, tensor in adapter.tensors.items():
         cpu = tensor.detach().to("cpu").contiguous()
         h.update(f"\0{key}\0{cpu.dtype}\0{tuple(cpu.shape)}\0".encode())
         h.update(cpu.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
+    return h.hexdigest() if legacy else "xxh3-128:" + h.hexdigest()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -46,6 +49,20 @@ def _reference_hash(adapter):
 def test_content_hash_is_unchanged_by_hashing_in_place(dtype, odd):
     adapter = _adapter(dtype, odd=odd)
     assert adapter.content_hash == _reference_hash(adapter)
+    # Stores written before the digest format changed recorded bare SHA-256: still recognised.
+    assert adapter.matches_hash(_reference_hash(adapter, hashlib.sha256()))
+    assert adapter.matches_hash(adapter.content_hash)
+    assert not adapter.matches_hash(_reference_hash(_adapter(dtype, odd=not odd), hashlib.sha256()))
+    assert not adapter.matches_hash("md5:" + adapter.content_hash)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn])
+def test_save_hashed_returns_the_hash_of_the_bytes_written(dtype, tmp_path):
+    adapter = _adapter(torch.float32, odd=True)
+    adapter = Adapter({k: t.detach().to(dtype) for k, t in adapter.tensors.items()}, adapter.config)
+    path, digest = adapter.save_hashed(tmp_path / "a")
+    assert digest == adapter.content_hash == Adapter.load(path).content_hash
+    assert (path / "adapter_model.safetensors").read_bytes() == (adapter.save(tmp_path / "b") / "adapter_model.safetensors").read_bytes()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn])

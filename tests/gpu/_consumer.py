@@ -24,7 +24,7 @@ from _gpu_helpers import digest
 
 from lorasync.engines import vllm_worker
 from lorasync.engines.vllm_worker import LoraSyncWorkerExtension
-from lorasync.transports._cuda_ipc import import_tensors
+from lorasync.wire.cuda_ipc import import_tensors
 
 
 class _Manager:

@@ -11,7 +11,7 @@ import torch
 from _gpu_helpers import adapter_on_gpu, digest
 
 from lorasync.engines.vllm import CONFIG_KEY, IPC_PREFIX, VLLMEngine
-from lorasync.transports._cuda_ipc import export_tensors
+from lorasync.wire.cuda_ipc import export_tensors
 
 
 def test_second_process_rebuilds_bit_exact_and_owns_its_copy(consumer) -> None:

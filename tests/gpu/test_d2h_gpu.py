@@ -9,8 +9,8 @@ from safetensors.torch import load, load_file
 from _gpu_helpers import adapter_on_gpu
 
 from lorasync import Adapter
-from lorasync.transports._d2h import serialize, to_host, to_shm_segment
-from lorasync.transports._shm import read_segment
+from lorasync.wire.d2h import serialize, to_shm_segment
+from lorasync.wire.shm import read_segment
 
 
 @pytest.mark.parametrize("chunk_bytes", [0, 4096, 1 << 28])
@@ -47,13 +47,13 @@ def test_serialize_waits_for_work_queued_before_it() -> None:
 
 def test_to_host_keeps_content_and_hash(tmp_path) -> None:
     gpu = adapter_on_gpu()
-    host = to_host(gpu)
+    host = gpu.to_host()
     assert all(t.device.type == "cpu" for t in host.tensors.values())
     assert host.content_hash == gpu.content_hash
     assert list(host.tensors) == list(gpu.tensors)
     for key, t in gpu.tensors.items():
         assert torch.equal(host.tensors[key], t.cpu())
-    assert to_host(host) is host
+    assert host.to_host() is host
 
 
 def test_save_of_gpu_adapter_loads_back_exactly(tmp_path) -> None:

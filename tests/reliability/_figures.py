@@ -29,6 +29,8 @@ ROWS = (
     ("inflight_requests", "real vLLM, 1 slot: requests decoding across publishes"),
     ("inflight_lost", "  in-flight requests lost"),
     ("engine_deaths", "  engine deaths caused"),
+    ("stale", "live adapters changed in place, republished"),
+    ("stale_served", "  ... published and served bit for bit (no stale skip)"),
 )
 
 

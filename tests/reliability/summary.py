@@ -21,6 +21,7 @@ from . import _fuzz as fz
 from ._figures import table
 from ._harness import run_crash_soak, run_fault_matrix, run_inprocess_matrix, run_race
 from ._hostile import run_hostile
+from ._stale import run_stale_unchanged
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         timings[f"fuzz_{kind}"] = time.monotonic() - start
     hostile = step("hostile", run_hostile)
     figures.update(hostile=hostile["tried"], hostile_rejected=hostile["rejected"])
+    stale = step("stale", run_stale_unchanged)
+    figures.update(stale=stale["cases"], stale_served=stale["cases"] - len(stale["violations"]))
 
     print(table(figures))
     print(f"{'wall time (s)':<50} {sum(timings.values()):>10.0f}")

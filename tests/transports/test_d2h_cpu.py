@@ -16,9 +16,11 @@ from hypothesis import strategies as st
 from safetensors.torch import load, load_file, save
 
 from lorasync.engines.vllm_worker import CONFIG_KEY, LoraSyncWorkerExtension
-from lorasync.transports._cuda_ipc import SPEC_VERSION, CudaIpcUnavailable, export_tensors, import_tensors, parse_spec
-from lorasync.transports._d2h import layout, plan_views, serialize, views
-from lorasync.transports._shm import read_segment
+from lorasync.wire.cuda_ipc import SPEC_VERSION, CudaIpcUnavailable, export_tensors, import_tensors, parse_spec
+from lorasync.wire.d2h import serialize
+from lorasync.wire.layout import plan as layout
+from lorasync.wire.views import plan_views, views
+from lorasync.wire.shm import read_segment
 
 
 def _tensors() -> dict[str, torch.Tensor]:

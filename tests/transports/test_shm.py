@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load
 
-from lorasync.transports._shm import read_segment, write_segment
+from lorasync.wire.shm import read_segment, write_segment
 
 
 def _tensors():
@@ -40,7 +40,7 @@ def test_other_process_reads_bit_exact():
     tensors = _tensors()
     with write_segment(tensors) as seg:
         code = (
-            "import sys, torch; from lorasync.transports._shm import read_segment;"
+            "import sys, torch; from lorasync.wire.shm import read_segment;"
             f"t,_ = read_segment({seg.name!r}, {seg.nbytes});"
             "torch.save({k: v for k, v in t.items()}, sys.argv[1])"
         )

@@ -1,0 +1,199 @@
+"""Tensors in one POSIX shared-memory segment, laid out exactly as a safetensors file.
+
+The producer copies the file bytes once into a segment; a consumer in another process (an
+engine worker) attaches by name and copies the tensors out once (:func:`read_segment`), so
+``safetensors.torch.load(bytes(segment))`` reads it too; no pickle is involved anywhere.
+
+Every segment is made by :func:`create_segment`, which records it as this process's own: an
+attaching consumer in the same process must not unregister it from the resource tracker (which
+would leak it if the producer dies), and a consumer in another process must (Python < 3.13
+would otherwise unlink the producer's segment when the consumer exits).
+
+Fan-out: inside :func:`sharing` (the IPC transport opens one :class:`SegmentScope` per publish
+for all its engines), :func:`write_segment` and ``wire.d2h.to_shm_segment`` make each distinct
+(tensors, metadata) segment once and hand every later caller the same one; callers' ``release``
+is then a no-op and the scope releases the segments when the last engine is done. A scope lives
+for one publish only, so bytes are never reused across publishes (the tensors may be the
+trainer's own, changed in place since).
+
+Ground floor: imports only the standard library, torch and lorasync's wire and error modules.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from multiprocessing import resource_tracker, shared_memory
+
+import torch
+
+from lorasync.errors import StorageError, WireFormatError
+from lorasync.wire.layout import plan
+from lorasync.wire.views import read
+
+__all__ = ["SegmentScope", "ShmSegment", "create_segment", "read_segment", "shared", "sharing", "write_segment"]
+
+_OWNED: set[str] = set()  # segments created by this process
+
+
+@dataclass
+class ShmSegment:
+    """A producer-owned segment. Keep it alive until the consumer confirms, then ``release()``."""
+
+    name: str
+    nbytes: int
+    _shm: shared_memory.SharedMemory
+
+    def release(self) -> None:
+        """Close and unlink (idempotent)."""
+        try:
+            self._shm.close()
+            self._shm.unlink()
+        except FileNotFoundError:
+            pass
+        _OWNED.discard(self.name)
+
+    def __enter__(self) -> ShmSegment:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class _Borrowed(ShmSegment):
+    """A scope's segment as one caller sees it: releasing it is the scope's job."""
+
+    def release(self) -> None:
+        """No-op: the :class:`SegmentScope` releases the segment."""
+
+
+class SegmentScope:
+    """The segments of one publish, shared by every engine on this host (see module docstring).
+
+    Thread-safe: the first caller of a key makes the segment while later ones wait, then reuse it.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._segments: dict[object, ShmSegment] = {}
+        self.made = 0  # segments made (for tests and benchmarks)
+        self.shared = 0  # calls answered with an existing segment
+
+    def get(self, key: object, make: Callable[[], ShmSegment]) -> ShmSegment:
+        """The segment for ``key``, made with ``make`` on first use."""
+        with self._lock:
+            seg = self._segments.get(key)
+            if seg is None:
+                seg = self._segments[key] = make()
+                self.made += 1
+            else:
+                self.shared += 1
+        return _Borrowed(name=seg.name, nbytes=seg.nbytes, _shm=seg._shm)
+
+    def close(self) -> None:
+        """Release every segment (idempotent)."""
+        with self._lock:
+            segments, self._segments = list(self._segments.values()), {}
+        for seg in segments:
+            seg.release()
+
+
+_SCOPE: contextvars.ContextVar[SegmentScope | None] = contextvars.ContextVar("lorasync_segment_scope", default=None)
+
+
+@contextlib.contextmanager
+def sharing(scope: SegmentScope) -> Iterator[SegmentScope]:
+    """Segments made in this context (this task, threads it starts with ``asyncio.to_thread``)
+    come from ``scope``."""
+    token = _SCOPE.set(scope)
+    try:
+        yield scope
+    finally:
+        _SCOPE.reset(token)
+
+
+def shared(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None, make: Callable[[], ShmSegment]) -> ShmSegment:
+    """``make()``, or the active scope's segment for these tensors and metadata."""
+    scope = _SCOPE.get()
+    if scope is None:
+        return make()
+    # The mapping's identity: one Adapter's tensors within one publish (the scope's lifetime).
+    key = (id(tensors), tuple(sorted((metadata or {}).items())))
+    return scope.get(key, make)
+
+
+def create_segment(nbytes: int, fill: Callable[[torch.Tensor], None]) -> ShmSegment:
+    """A new segment of ``nbytes``, filled by ``fill`` (given the segment as a ``uint8`` tensor)
+    and recorded for clean-up; on any failure the segment is unlinked again.
+
+    Raises:
+        StorageError: the segment cannot be created (``/dev/shm`` full or not writable).
+    """
+    try:
+        shm = shared_memory.SharedMemory(create=True, size=max(1, nbytes))
+    except OSError as exc:
+        raise StorageError(f"cannot create a shared-memory segment of {nbytes} bytes: {exc}; free space in /dev/shm or use transport='disk'") from exc
+    try:
+        if nbytes:
+            view = torch.frombuffer(shm.buf, dtype=torch.uint8, count=nbytes)
+            try:
+                fill(view)
+            finally:
+                del view  # an exported buffer would keep the segment from closing
+    except BaseException:
+        shm.close()
+        shm.unlink()
+        raise
+    _OWNED.add(shm.name)
+    return ShmSegment(name=shm.name, nbytes=nbytes, _shm=shm)
+
+
+def write_segment(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> ShmSegment:
+    """Copy ``tensors`` into a new shared-memory segment in safetensors layout (the caller's
+    order); each tensor is copied once. Inside :func:`sharing`, the scope's segment for them.
+
+    Raises:
+        UnsupportedDtypeError: a dtype safetensors cannot hold.
+        StorageError: the segment cannot be created.
+    """
+
+    def make() -> ShmSegment:
+        layout = plan(tensors, metadata if metadata is not None else {}, grouped=False)
+        values = list(tensors.values())
+        return create_segment(layout.total, lambda view: layout.write_into(view, values))
+
+    return shared(tensors, metadata, make)
+
+
+def read_segment(name: str, nbytes: int | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Attach to segment ``name`` and copy its tensors out (the producer may then unlink it).
+
+    Returns:
+        ``(tensors, metadata)``.
+
+    Raises:
+        WireFormatError: a malformed or truncated segment (bounds are checked before any copy).
+        StorageError: no segment of that name exists (the producer released it or died).
+    """
+    try:
+        shm = shared_memory.SharedMemory(name=name, create=False)
+    except (FileNotFoundError, ValueError) as exc:
+        raise StorageError(f"shared-memory segment {name} does not exist: {exc}; the producer released it or died, publish again") from exc
+    # Python < 3.13 registers attached segments with the resource tracker, which would unlink
+    # the producer's segment when this process exits; only the producer owns it. (In the
+    # producer's own process the registration is the producer's and stays.)
+    if name not in _OWNED:
+        try:
+            resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+        except Exception:  # noqa: BLE001 - best effort: the tracker may not know it
+            pass
+    try:
+        return read(shm.buf, nbytes, what=f"shared-memory segment {name}")
+    finally:
+        shm.close()
+
+
+_ = WireFormatError  # re-raised from read(); named in the docstring above

@@ -1,0 +1,245 @@
+"""Reading the safetensors layout: tensors as views into a data section, or copied out of any
+buffer, every offset validated first (the *view* and *read* verbs of :mod:`lorasync.wire`).
+
+* :func:`plan_views` validates a header once and plans its views (groups of adjacent tensors of
+  one dtype and trailing shape, cut with one ``split`` each; misaligned entries are copied);
+  :func:`apply_views` cuts them from a data section, :func:`views` does both.
+* :func:`parse_header` / :func:`read` check a whole buffer (length, header, bounds) and copy its
+  tensors out into memory the caller owns.
+
+Ground floor: imports only the standard library, torch, numpy and :mod:`lorasync.errors`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import struct
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from lorasync.errors import WireFormatError
+from lorasync.wire.dtypes import FROM_NAME, ITEMSIZE
+
+__all__ = [
+    "MAX_HEADER",
+    "Group",
+    "ViewPlan",
+    "apply_views",
+    "cut_groups",
+    "group_entries",
+    "parse_header",
+    "plan_views",
+    "raw_bytes",
+    "read",
+    "views",
+]
+
+MAX_HEADER = 100 * 1024 * 1024  # bytes of JSON header accepted from a peer
+
+
+class Group(NamedTuple):
+    """Tensors of one dtype sharing every dimension after the first, adjacent in a data section.
+
+    Viewed as one ``(sum(rows), *trailing)`` block, the group is one ``cat`` of its tensors along
+    dim 0 and ``split(rows)`` gives them back. 0-D tensors form groups of their own (``scalar``):
+    one row each, viewed back with shape ``()``.
+    """
+
+    begin: int  # byte offset in the data section
+    nbytes: int
+    dtype: torch.dtype
+    trailing: tuple[int, ...]
+    rows: tuple[int, ...]
+    keys: tuple[str, ...]
+    scalar: bool = False
+
+    def block(self, section: torch.Tensor) -> torch.Tensor:
+        """This group's bytes in the ``uint8`` data section ``section``, as one
+        ``(sum(rows), *trailing)`` tensor of its dtype (a view)."""
+        raw = section[self.begin : self.begin + self.nbytes]
+        return raw.view(self.dtype).view(sum(self.rows), *self.trailing)
+
+
+class ViewPlan(NamedTuple):
+    """Validated views of a safetensors header, reusable for every buffer with that header."""
+
+    end: int  # the data section must hold at least this many bytes
+    groups: tuple[Group, ...]
+    copies: tuple[tuple[str, torch.dtype, tuple[int, ...], int, int], ...]  # misaligned: (key, dtype, shape, begin, nbytes), copied
+
+
+def group_entries(items: list[tuple[str, torch.dtype, tuple[int, ...], int, int]]) -> ViewPlan:
+    """Adjacent aligned entries (sorted by offset) of one dtype and trailing shape as groups;
+    misaligned ones as copies."""
+    runs: list[list[tuple[str, torch.dtype, tuple[int, ...], int, int]]] = []
+    copies = []
+    for item in items:
+        _, dtype, shape, begin, _ = item
+        if begin % ITEMSIZE[dtype]:
+            copies.append(item)
+            continue
+        last = runs[-1][-1] if runs else None
+        if last is not None and last[3] + last[4] == begin and last[1] == dtype and _kind(last[2]) == _kind(shape):
+            runs[-1].append(item)
+        else:
+            runs.append([item])
+    groups = tuple(
+        Group(
+            begin=run[0][3],
+            nbytes=sum(it[4] for it in run),
+            dtype=run[0][1],
+            trailing=run[0][2][1:],
+            rows=tuple(it[2][0] if it[2] else 1 for it in run),
+            keys=tuple(it[0] for it in run),
+            scalar=not run[0][2],
+        )
+        for run in runs
+    )
+    return ViewPlan(end=max((it[3] + it[4] for it in items), default=0), groups=groups, copies=tuple(copies))
+
+
+def plan_views(header: Mapping[str, Any]) -> ViewPlan:
+    """Validate a safetensors ``header`` and plan its views (see :func:`views`).
+
+    Adjacent entries of one dtype whose dimensions after the first agree form one
+    :class:`Group` (cut with one ``split``); entries not aligned to their element size are
+    copied instead.
+
+    Raises:
+        WireFormatError: an unknown dtype, a bad shape or offsets that do not fit it.
+    """
+    items: list[tuple[str, torch.dtype, tuple[int, ...], int, int]] = []
+    key = ""
+    try:
+        for key, info in header.items():
+            if key == "__metadata__":
+                continue
+            dtype = FROM_NAME[info["dtype"]]
+            shape = tuple(info["shape"])
+            begin, end = info["data_offsets"]
+            if type(begin) is not int or type(end) is not int or not 0 <= begin <= end:
+                raise ValueError(f"bad offsets {begin}..{end}")
+            if not all(type(d) is int and d >= 0 for d in shape):
+                raise ValueError(f"bad shape {list(shape)}")
+            if end - begin != math.prod(shape) * ITEMSIZE[dtype]:
+                raise ValueError(f"offsets {begin}..{end} do not fit shape {list(shape)}")
+            items.append((key, dtype, shape, begin, end - begin))
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise WireFormatError(f"bad safetensors header entry {key!r}: {exc}; the buffer was not written by lorasync or safetensors, or is corrupt") from exc
+    items.sort(key=lambda item: item[3])
+    return group_entries(items)
+
+
+def apply_views(flat: torch.Tensor, view_plan: ViewPlan) -> dict[str, torch.Tensor]:
+    """The tensors of ``view_plan`` inside the ``uint8`` data section ``flat`` (views, in data
+    order; misaligned entries copied).
+
+    Raises:
+        WireFormatError: ``flat`` is shorter than the plan needs.
+    """
+    if view_plan.end > flat.numel():
+        raise WireFormatError(f"the header needs {view_plan.end} data bytes, the buffer holds {flat.numel()}")
+    out = dict(zip(itertools.chain.from_iterable(g.keys for g in view_plan.groups), cut_groups(flat, view_plan.groups)))
+    for key, dtype, shape, begin, nbytes in view_plan.copies:
+        out[key] = flat[begin : begin + nbytes].clone().view(dtype).view(shape)
+    return out
+
+
+def views(flat: torch.Tensor, header: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """Tensors described by a safetensors ``header`` inside the ``uint8`` data section ``flat``.
+
+    Every entry's offsets are checked against its dtype, shape and ``flat``'s size before any
+    view is made; entries not aligned to their element size are copied instead of viewed.
+
+    Raises:
+        WireFormatError: an unknown dtype, a bad shape or offsets outside ``flat``.
+    """
+    return apply_views(flat, plan_views(header))
+
+
+def parse_header(buf: Any, nbytes: int | None = None, *, what: str = "buffer") -> tuple[dict[str, Any], dict[str, str], int, int]:
+    """The JSON header of a safetensors-layout buffer, checked for size and shape.
+
+    Returns:
+        ``(header, metadata, data_start, size)``: ``header`` without ``__metadata__``.
+
+    Raises:
+        WireFormatError: truncated, a bad header length, or a header that is not a JSON object
+            with string metadata.
+    """
+    size = len(buf) if nbytes is None else min(nbytes, len(buf))
+    if size < 8:
+        raise WireFormatError(f"{what} is truncated ({size} bytes); the producer wrote less than a safetensors header")
+    (hlen,) = struct.unpack("<Q", bytes(buf[:8]))
+    if hlen > MAX_HEADER or 8 + hlen > size:
+        raise WireFormatError(f"{what} has a bad header length {hlen}; it is truncated or not safetensors")
+    try:
+        header = json.loads(bytes(buf[8 : 8 + hlen]))
+    except ValueError as exc:
+        raise WireFormatError(f"{what} has a header that is not JSON: {exc}") from exc
+    if not isinstance(header, dict):
+        raise WireFormatError(f"{what} has a header that is not a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise WireFormatError(f"{what} has a __metadata__ that is not a JSON object")
+    return header, {str(k): str(v) for k, v in metadata.items()}, 8 + hlen, size
+
+
+def read(buf: Any, nbytes: int | None = None, *, what: str = "buffer") -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Copy the tensors out of a safetensors-layout buffer (any object with the buffer protocol).
+
+    Args:
+        buf: e.g. a ``memoryview`` or a shared-memory ``buf``; only its first ``nbytes`` are read.
+        nbytes (`int`, *optional*): valid length (default: the whole buffer).
+        what (`str`): names the buffer in error messages.
+
+    Returns:
+        ``(tensors, metadata)``: CPU tensors, each in memory of its own, in header order.
+
+    Raises:
+        WireFormatError: a malformed or truncated buffer (bounds are checked before any copy).
+    """
+    header, metadata, start, size = parse_header(buf, nbytes, what=what)
+    try:
+        view_plan = plan_views(header)
+    except WireFormatError as exc:
+        raise WireFormatError(f"{what}: {exc}") from exc
+    if start + view_plan.end > size:
+        raise WireFormatError(f"{what} is truncated: its header needs {view_plan.end} data bytes, {size - start} are there")
+    out: dict[str, torch.Tensor] = {}
+    for key, info in header.items():
+        dtype = FROM_NAME[info["dtype"]]
+        begin, end = info["data_offsets"]
+        data = torch.empty(info["shape"], dtype=dtype)
+        if end > begin:
+            # One memcpy per tensor through numpy (no per-tensor OpenMP hand-off); each tensor
+            # owns its memory (torch.save refuses views of one buffer as different dtypes).
+            raw_bytes(data)[:] = np.frombuffer(buf, dtype=np.uint8, count=end - begin, offset=start + begin)
+        out[key] = data
+    return out, metadata
+
+
+def raw_bytes(tensor: torch.Tensor) -> Any:
+    """The bytes of a CPU-contiguous tensor as a flat ``uint8`` numpy view (nothing is copied)."""
+    return tensor.reshape(-1).view(torch.uint8).numpy()
+
+
+def cut_groups(flat: torch.Tensor, groups: Sequence[Group]) -> list[torch.Tensor]:
+    """Views of every tensor of ``groups`` in ``flat``, in data order: one ``split`` per group."""
+    out: list[torch.Tensor] = []
+    for group in groups:
+        parts = group.block(flat).split(group.rows)  # every view cut in one C++ call
+        if group.scalar:
+            parts = tuple(p.view(()) for p in parts)
+        out.extend(parts)
+    return out
+
+
+def _kind(shape: tuple[int, ...]) -> tuple[bool, tuple[int, ...]]:
+    """What tensors must share to form one group: being 0-D, and every dimension after the first."""
+    return not shape, shape[1:]
