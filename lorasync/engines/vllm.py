@@ -64,6 +64,9 @@ UNLOAD_ROUTE = "/v1/unload_lora_adapter"
 MODELS_ROUTE = "/v1/models"
 COMPLETIONS_ROUTE = "/v1/completions"
 SERVER_INFO_ROUTE = "/server_info"
+METRICS_ROUTE = "/metrics"
+# vLLM's Prometheus gauge of which adapters have requests (vllm/v1/metrics/loggers.py).
+LORA_GAUGE = "vllm:lora_requests_info"
 RPC_ROUTE = "/collective_rpc"
 RUNTIME_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 # Must match lorasync.engines.vllm_worker (not imported here: it needs vLLM).
@@ -218,6 +221,26 @@ class VLLMEngine(HTTPEngine):
 
     async def aunload_adapter(self, name: str) -> None:
         await self._arun(self._unload(name), adapter=name)
+
+    def adapters_in_use(self) -> frozenset[str] | None:
+        """Adapter names that running or waiting requests use, from vLLM's ``/metrics`` gauge
+        ``vllm:lora_requests_info`` (its ``running_lora_adapters`` and ``waiting_lora_adapters``).
+
+        vLLM refreshes the gauge with every batch of outputs, so it lags by up to one engine step
+        and does not see a request still being tokenised in the API server; with data-parallel
+        engines or several API servers it describes only one engine (vLLM warns about it).
+
+        Returns:
+            `frozenset[str] | None`: the union of running and waiting names of the newest sample;
+            ``None`` when the server publishes no such gauge (LoRA off, metrics not exposed).
+
+        Raises:
+            AuthenticationError, EngineUnavailableError, EngineError.
+        """
+        return self._run(self._in_use())
+
+    async def aadapters_in_use(self) -> frozenset[str] | None:
+        return await self._arun(self._in_use())
 
     def load_adapter_tensors(self, name: str, adapter: Adapter) -> None:
         """Load ``adapter`` as ``name`` without files: through CUDA IPC when its tensors are on one
@@ -377,6 +400,21 @@ class VLLMEngine(HTTPEngine):
             fused_modules=FUSED_MODULES,
             notes=tuple(notes),
         )
+
+    def _in_use(self) -> Operation[frozenset[str] | None]:
+        response = yield Call("GET", METRICS_ROUTE)
+        if response.status_code == 404:
+            return None
+        if response.status_code != 200:
+            raise self._generic(response, METRICS_ROUTE, None, _message(response), "reading metrics")
+        try:
+            return _lora_in_use(body_text(response))
+        except ValueError as exc:
+            raise EngineProtocolError(
+                f"{self.kind} at {self.url}{METRICS_ROUTE} answered text that is not Prometheus' format ({exc}); "
+                "is this a vLLM OpenAI server?",
+                **self.error_context(METRICS_ROUTE, None, response),
+            ) from exc
 
     def _has_worker_extension(self) -> Operation[bool]:
         """Hook: True when lorasync's vLLM worker extension answers through ``/collective_rpc``.
@@ -726,6 +764,36 @@ def _adapter_roots(response: httpx.Response) -> dict[str, str | None]:
         for card in cards
         if isinstance(card, dict) and card.get("parent") and isinstance(card.get("id"), str)
     }
+
+
+def _lora_in_use(text: str) -> frozenset[str] | None:
+    """Running and waiting adapter names from a Prometheus exposition, or None without the gauge.
+
+    vLLM sets the gauge's value to the current time under labels naming the adapters and never
+    removes older label sets, so every past combination stays listed: only the newest sample(s)
+    describe the engine now (several share the newest time only when engines log together).
+
+    Raises:
+        ValueError: the text is not in Prometheus' exposition format.
+    """
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples = [
+        sample
+        for family in text_string_to_metric_families(text)
+        if family.name == LORA_GAUGE
+        for sample in family.samples
+        if sample.name == LORA_GAUGE
+    ]
+    if not samples:
+        return None if LORA_GAUGE not in text else frozenset()
+    newest = max(sample.value for sample in samples)
+    names: set[str] = set()
+    for sample in samples:
+        if sample.value == newest:
+            for label in ("running_lora_adapters", "waiting_lora_adapters"):
+                names.update(n for n in sample.labels.get(label, "").split(",") if n)
+    return frozenset(names)
 
 
 def _token_id(token: str) -> int | None:

@@ -10,6 +10,8 @@ import asyncio
 import json
 import shutil
 import subprocess
+import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -347,6 +349,51 @@ def test_retried_load_hitting_another_adapter_is_refused(vllm_server: Any, adapt
             engine.load_adapter(name, adapter_dirs["one"])  # the name serves someone else's path
         assert (transport.load_calls, info.value.attempts) == (2, 2)
         engine.unload_adapter(name)
+
+
+# -- which adapters requests use (drain-aware retirement) -------------------------------------------
+
+
+def _poll(check: Callable[[], bool], timeout: float = 30.0) -> bool:
+    """Poll ``check`` until it holds: vLLM refreshes its LoRA gauge only with engine steps."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.05)
+    return check()
+
+
+def test_adapters_in_use_sees_a_decoding_request(
+    engine: VLLMEngine, vllm_server: Any, adapter_dirs: dict[str, Path]
+) -> None:
+    busy, idle = unique("busy"), unique("idle")
+    engine.load_adapter(busy, adapter_dirs["one"])
+    engine.load_adapter(idle, adapter_dirs["two"])
+    body = {"model": busy, "prompt": [5, 6, 7], "max_tokens": 480, "temperature": 0.0, "ignore_eos": True}
+    answers: list[httpx.Response] = []
+    # Several long requests at once keep the adapter busy for seconds on the CPU build.
+    threads = [
+        threading.Thread(target=lambda: answers.append(httpx.post(f"{vllm_server.url}/v1/completions", json=body, timeout=300)))
+        for _ in range(3)
+    ]
+    for thread in threads:
+        thread.start()
+    try:
+        seen: list[frozenset[str] | None] = []
+        assert _poll(lambda: busy in (seen.append(engine.adapters_in_use()) or seen[-1] or ())), seen[-5:]
+        assert seen[-1] is not None and idle not in seen[-1]
+        during = asyncio.run(engine.aadapters_in_use())
+        assert during is not None and idle not in during
+    finally:
+        for thread in threads:
+            thread.join(timeout=300)
+    assert [a.status_code for a in answers] == [200, 200, 200]
+    # Every request finished: the newest gauge sample names no adapter any more.
+    after: list[frozenset[str] | None] = []
+    assert _poll(lambda: (after.append(engine.adapters_in_use()) or after[-1]) is not None and busy not in after[-1]), after[-5:]
+    engine.unload_adapter(busy)
+    engine.unload_adapter(idle)
 
 
 # -- async twins --------------------------------------------------------------------------------------

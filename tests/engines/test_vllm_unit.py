@@ -161,3 +161,13 @@ def test_400_is_never_retried_sync_and_async() -> None:
     with pytest.raises(AdapterAlreadyLoadedError):
         asyncio.run(engine.aload_adapter("p@v1", "/dev/shm/p/v1"))
     assert len(calls) == 2
+
+
+def test_adapters_in_use_without_the_lora_gauge_is_unknown() -> None:
+    # A server without --enable-lora publishes no vllm:lora_requests_info; one behind a proxy
+    # that hides /metrics answers 404. Neither can tell: None, so retirement falls back to a grace period.
+    metrics = "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 0.0\n"
+    for status, text in ((200, metrics), (404, "")):
+        engine = mock_engine(lambda request, status=status, text=text: httpx.Response(status, text=text))
+        assert engine.adapters_in_use() is None
+        assert asyncio.run(engine.aadapters_in_use()) is None
