@@ -6,6 +6,8 @@ Layout:
 * ``_errors`` — vLLM's error answers mapped to typed ``lorasync.errors``;
 * ``_bodies`` — parsing of model lists, completions and the ``/metrics`` LoRA gauge;
 * ``_protocol`` — routes, constants and the versioned stage specs shared with the worker;
+* ``guard`` — :class:`AdminRouteGuard`, an ASGI middleware (``--middleware``) that puts the
+  dev-mode admin routes behind the API key;
 * ``worker`` — :class:`LoraSyncWorkerExtension`, imported inside vLLM's workers (also reachable
   as ``lorasync.engines.vllm_worker``, the path users pass to ``--worker-extension-cls``);
 * ``inprocess`` — :class:`VLLMInProcessEngine` for a ``vllm.LLM`` / ``AsyncLLM`` in this process
@@ -13,6 +15,6 @@ Layout:
 """
 
 from lorasync.engines.vllm._client import Completion, VLLMEngine
-from lorasync.engines.vllm._protocol import CONFIG_KEY, FUSED_MODULES, IPC_PREFIX
+from lorasync.engines.vllm._protocol import CONFIG_KEY, FUSED_MODULES, IPC_PREFIX, WORKER_EXTENSION
 
-__all__ = ["CONFIG_KEY", "FUSED_MODULES", "IPC_PREFIX", "Completion", "VLLMEngine"]
+__all__ = ["CONFIG_KEY", "FUSED_MODULES", "IPC_PREFIX", "WORKER_EXTENSION", "Completion", "VLLMEngine"]
