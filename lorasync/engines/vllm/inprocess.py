@@ -9,10 +9,9 @@ tensors. Without the extension the publisher falls back to the disk transport (`
 of a directory). vLLM itself keeps no names: :meth:`VLLMInProcessEngine.lora_request` gives the
 request object to pass to ``llm.generate(..., lora_request=...)``.
 
-Each operation is written once as a generator of :class:`_Step` (a method of the engine core
-and its arguments) and driven two ways, as the HTTP clients do with their calls: directly for a
-``vllm.LLM``, awaited on the AsyncLLM's own event loop for an ``AsyncLLM`` (its sockets belong
-to that loop; calls from other threads or loops are handed over to it).
+Each operation is written once as a generator of steps (a method of the engine core and its
+arguments) and driven two ways by ``_steps.StepDriver``, as the HTTP clients do with their
+calls: directly for a ``vllm.LLM``, awaited on the AsyncLLM's own event loop for an ``AsyncLLM``.
 
 Tested against vLLM 0.32 (CPU build).
 """
@@ -26,22 +25,18 @@ import json
 import os
 import threading
 import uuid
-from collections.abc import Generator
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from lorasync.engines._base import Capabilities, Engine
-from lorasync.engines.vllm._errors import INCOMPATIBLE, RANK_REFUSAL, worker_message
 from lorasync.engines.vllm._protocol import CONFIG_KEY, FUSED_MODULES, IPC_PREFIX, WORKER_EXTENSION, ShmStage
+from lorasync.engines.vllm._steps import Op, Step, StepDriver
 from lorasync.errors import (
     AdapterAlreadyLoadedError,
     AdapterNotFoundError,
-    AdapterRejectedError,
     CapabilityError,
     ConfigError,
     EngineError,
     EngineUnavailableError,
-    IncompatibleAdapterError,
     LoraNotEnabledError,
     RankTooLargeError,
 )
@@ -51,24 +46,8 @@ if TYPE_CHECKING:
 
 __all__ = ["VLLMInProcessEngine"]
 
-T = TypeVar("T")
 
-
-@dataclass(frozen=True)
-class _Step:
-    """One call an operation wants made: ``method`` of the engine core (or of this engine when
-    ``local``) with ``args``."""
-
-    method: str
-    args: tuple[Any, ...] = ()
-    local: bool = False
-    kwargs: dict[str, Any] = field(default_factory=dict)
-
-
-_Op = Generator[_Step, Any, T]
-
-
-class VLLMInProcessEngine(Engine):
+class VLLMInProcessEngine(StepDriver, Engine):
     """Load, unload, list and verify LoRA adapters of a ``vllm.LLM`` or ``AsyncLLM`` in this process.
 
     Args:
@@ -246,13 +225,13 @@ class VLLMInProcessEngine(Engine):
 
     # -- operations (no I/O: yield a _Step, receive its result) ---------------------------------
 
-    def _capabilities(self) -> _Op[Capabilities]:
+    def _capabilities(self) -> Op[Capabilities]:
         config = self._core.vllm_config
         lora = config.lora_config
         extension = False
         if getattr(config.parallel_config, "worker_extension_cls", ""):
             try:
-                answers = yield _Step("collective_rpc", ("lorasync_ping",), kwargs={"timeout": self.timeout})
+                answers = yield Step("collective_rpc", ("lorasync_ping",), kwargs={"timeout": self.timeout})
                 extension = bool(answers) and all(answers)
             except EngineError:
                 extension = False
@@ -279,7 +258,7 @@ class VLLMInProcessEngine(Engine):
             notes=tuple(notes),
         )
 
-    def _ready(self, name: str) -> _Op[None]:
+    def _ready(self, name: str) -> Op[None]:
         """Refuse before anything moves: bad name, LoRA off, name taken, engine asleep."""
         if not name:
             raise ConfigError("adapter name must be a non-empty string")
@@ -300,7 +279,7 @@ class VLLMInProcessEngine(Engine):
                 url=self.url,
                 adapter=name,
             )
-        asleep = yield _Step("is_sleeping")
+        asleep = yield Step("is_sleeping")
         if asleep:
             raise EngineUnavailableError(
                 f"{self.kind} is asleep (llm.sleep()); nothing was loaded and the served versions are unchanged. "
@@ -310,7 +289,7 @@ class VLLMInProcessEngine(Engine):
                 adapter=name,
             )
 
-    def _load(self, name: str, path: str) -> _Op[None]:
+    def _load(self, name: str, path: str) -> Op[None]:
         yield from self._ready(name)
         if not path.startswith(IPC_PREFIX) and not os.path.isfile(os.path.join(path, "adapter_config.json")):
             raise AdapterNotFoundError(
@@ -325,7 +304,7 @@ class VLLMInProcessEngine(Engine):
 
         request = LoRARequest(lora_name=name, lora_int_id=next(self._ids), lora_path=path)
         try:
-            yield _Step("add_lora", (request,))
+            yield Step("add_lora", (request,))
         except EngineError as exc:
             if isinstance(exc, EngineUnavailableError):
                 raise
@@ -333,7 +312,7 @@ class VLLMInProcessEngine(Engine):
         with self._lock:
             self._served[name] = request
 
-    def _load_tensors(self, name: str, adapter: Adapter) -> _Op[None]:
+    def _load_tensors(self, name: str, adapter: Adapter) -> Op[None]:
         from lorasync.transports._d2h import to_shm_segment
 
         yield from self._ready(name)
@@ -351,7 +330,7 @@ class VLLMInProcessEngine(Engine):
         segment = to_shm_segment(adapter.tensors, {CONFIG_KEY: config})
         try:
             spec = ShmStage(shm=segment.name, nbytes=segment.nbytes, token=token).to_json()
-            yield _Step("collective_rpc", ("lorasync_stage_adapter",), kwargs={"args": (spec,), "timeout": self.timeout})
+            yield Step("collective_rpc", ("lorasync_stage_adapter",), kwargs={"args": (spec,), "timeout": self.timeout})
         finally:
             segment.release()  # every worker copied the tensors out (or failed)
         try:
@@ -362,13 +341,13 @@ class VLLMInProcessEngine(Engine):
         with self._lock:
             self._tokens[name] = token
 
-    def _release(self, token: str) -> _Op[None]:
+    def _release(self, token: str) -> Op[None]:
         try:
-            yield _Step("collective_rpc", ("lorasync_release_adapter",), kwargs={"args": (token,), "timeout": self.timeout})
+            yield Step("collective_rpc", ("lorasync_release_adapter",), kwargs={"args": (token,), "timeout": self.timeout})
         except EngineError:
             pass  # staged tensors of a dead engine die with it
 
-    def _unload(self, name: str) -> _Op[None]:
+    def _unload(self, name: str) -> Op[None]:
         with self._lock:
             request = self._served.get(name)
         if request is None:
@@ -378,7 +357,7 @@ class VLLMInProcessEngine(Engine):
                 url=self.url,
                 adapter=name,
             )
-        asleep = yield _Step("is_sleeping")
+        asleep = yield Step("is_sleeping")
         if asleep:
             raise EngineUnavailableError(
                 f"{self.kind} is asleep (llm.sleep()); {name!r} stays loaded. Call llm.wake_up() and unload again",
@@ -387,19 +366,19 @@ class VLLMInProcessEngine(Engine):
                 adapter=name,
             )
         # False when the adapter was already evicted from the worker cache: forgotten either way.
-        yield _Step("remove_lora", (request.lora_int_id,))
+        yield Step("remove_lora", (request.lora_int_id,))
         with self._lock:
             self._served.pop(name, None)
             token = self._tokens.pop(name, None)
         if token is not None:
             yield from self._release(token)
 
-    def _greedy(self, name: str | None, prompt_ids: list[int], max_tokens: int) -> _Op[tuple[list[int], list[float]]]:
+    def _greedy(self, name: str | None, prompt_ids: list[int], max_tokens: int) -> Op[tuple[list[int], list[float]]]:
         from vllm import SamplingParams
 
         request = self.lora_request(name) if name is not None else None
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=1, ignore_eos=True)
-        tokens, logprobs = yield _Step("generate_one", ([int(t) for t in prompt_ids], params, request), local=True)
+        tokens, logprobs = yield Step("generate_one", ([int(t) for t in prompt_ids], params, request), local=True)
         return tokens, logprobs
 
     # -- generation, the one step that differs between LLM and AsyncLLM -------------------------
@@ -417,112 +396,6 @@ class VLLMInProcessEngine(Engine):
         if final is None:
             raise EngineError(f"{self.kind} answered no output", engine=self.kind, url=self.url)
         return _tokens_and_logprobs(final.outputs[0])
-
-    # -- drivers ----------------------------------------------------------------------------------
-
-    def _run(self, op: _Op[T]) -> T:
-        if self.is_async:
-            assert self._loop is not None
-            try:
-                running = asyncio.get_running_loop()
-            except RuntimeError:
-                running = None
-            if running is self._loop:
-                op.close()
-                raise ConfigError(
-                    f"{self.kind}: blocking calls on the AsyncLLM's own event loop would deadlock it; use the "
-                    "a-prefixed methods (await engine.aload_adapter(...), await publisher.apublish(...))"
-                )
-            return asyncio.run_coroutine_threadsafe(self._drive_async(op), self._loop).result()
-        try:
-            step = next(op)
-            while True:
-                try:
-                    result = self._call(step)
-                except EngineError as exc:
-                    step = op.throw(exc)
-                else:
-                    step = op.send(result)
-        except StopIteration as stop:
-            return stop.value  # type: ignore[no-any-return]
-
-    async def _arun(self, op: _Op[T]) -> T:
-        if not self.is_async:
-            return await asyncio.to_thread(self._run, op)
-        if asyncio.get_running_loop() is self._loop:
-            return await self._drive_async(op)
-        assert self._loop is not None
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._drive_async(op), self._loop))
-
-    async def _drive_async(self, op: _Op[T]) -> T:
-        try:
-            step = next(op)
-            while True:
-                try:
-                    result = await self._acall(step)
-                except EngineError as exc:
-                    step = op.throw(exc)
-                else:
-                    step = op.send(result)
-        except StopIteration as stop:
-            return stop.value  # type: ignore[no-any-return]
-
-    def _call(self, step: _Step) -> Any:
-        target = self if step.local else self._core
-        try:
-            return getattr(target, step.method)(*step.args, **step.kwargs)
-        except EngineError:
-            raise
-        except Exception as exc:
-            raise self._translate(exc, step) from exc
-
-    async def _acall(self, step: _Step) -> Any:
-        try:
-            if step.local:
-                return await getattr(self, "a" + step.method)(*step.args, **step.kwargs)
-            return await getattr(self._core, step.method)(*step.args, **step.kwargs)
-        except EngineError:
-            raise
-        except Exception as exc:
-            raise self._translate(exc, step) from exc
-
-    # -- error mapping ------------------------------------------------------------------------------
-
-    def _translate(self, exc: Exception, step: _Step) -> EngineError:
-        text = f"{type(exc).__name__}: {exc}"
-        where = f"{self.kind} ({self.url}): {step.method}"
-        if type(exc).__name__ == "EngineDeadError" or "EngineCore encountered an issue" in str(exc):
-            return EngineUnavailableError(
-                f"{where} failed because the engine died ({text}); build a new LLM", engine=self.kind, url=self.url
-            )
-        return EngineError(f"{where} failed: {text}", engine=self.kind, url=self.url, reason=str(exc))
-
-    def _load_error(self, name: str, path: str, exc: EngineError) -> EngineError:
-        message = str(getattr(exc, "reason", "") or exc)
-        detail = worker_message(message)
-        context = {"engine": self.kind, "url": self.url, "adapter": name}
-        rank = RANK_REFUSAL.search(message)
-        if rank is not None:
-            return RankTooLargeError(
-                f"{self.kind} refused adapter {name!r}: {detail}; build the LLM with a larger max_lora_rank or "
-                f"train/trim the adapter to r <= {rank.group(2)}",
-                rank=int(rank.group(1)),
-                max_rank=int(rank.group(2)),
-                **context,
-            )
-        if "No adapter found" in message or "doesn't contain tensors" in message or "LoRAAdapterNotFound" in message:
-            return AdapterNotFoundError(f"{self.kind} found no adapter at {path} ({detail})", path=path, **context)
-        for needle, fix in INCOMPATIBLE:
-            if needle in message:
-                return IncompatibleAdapterError(
-                    f"{self.kind} refused adapter {name!r} from {path}: {detail}; {fix}", reason=detail, **context
-                )
-        return AdapterRejectedError(
-            f"{self.kind} failed to load adapter {name!r} from {path}: {detail}; the served versions are unchanged",
-            reason=detail,
-            **context,
-        )
-
 
 def _tokens_and_logprobs(completion: Any) -> tuple[list[int], list[float]]:
     tokens = [int(t) for t in completion.token_ids]
