@@ -89,6 +89,11 @@ class Adapter:
         )
         self._config = config
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # The tensor mapping is a read-only MappingProxyType, which stdlib pickle refuses:
+        # rebuild through the constructor (it validates again) from a plain dict.
+        return (type(self), (dict(self._tensors), self._config))
+
     # -- views ----------------------------------------------------------------------------
 
     @property

@@ -64,6 +64,22 @@ class AdapterConfig:
             if not isinstance(alpha, (int, float)) or not alpha > 0:
                 raise ConfigError(f"alpha_pattern[{key!r}] must be > 0, got {alpha!r}")
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # The patterns are read-only MappingProxyType views, which stdlib pickle refuses: rebuild
+        # through the constructor from plain dicts (torch.multiprocessing, process pools, Ray).
+        return (
+            type(self),
+            (
+                self.r,
+                self.lora_alpha,
+                self.target_modules,
+                self.use_rslora,
+                self.base_model_name_or_path,
+                dict(self.rank_pattern),
+                dict(self.alpha_pattern),
+            ),
+        )
+
     # -- per-module values, as PEFT computes them ------------------------------------------
 
     def rank_for(self, module: str) -> int:

@@ -22,6 +22,7 @@ from lorasync.engines._base import Engine
 from lorasync.errors import ConfigError, DuplicateRegistrationError, RegistryError, UnknownEngineError
 
 __all__ = [
+    "BUILTIN_ENGINES",
     "ENGINE_GROUP",
     "Registry",
     "available_engines",
@@ -149,6 +150,19 @@ def _load(target: str) -> Any:
 
 engine_registry = Registry(ENGINE_GROUP, what="engine")
 
+# The built-ins, registered here too (same targets as pyproject's entry points, so discovery
+# adds nothing twice): a checkout that is only on PYTHONPATH, as in an engine's own venv, has no
+# installed distribution and thus no entry points.
+BUILTIN_ENGINES = {
+    "vllm": "lorasync.engines.vllm:VLLMEngine",
+    "vllm-inprocess": "lorasync.engines.vllm.inprocess:VLLMInProcessEngine",
+    "sglang": "lorasync.engines.sglang:SGLangEngine",
+    "peft": "lorasync.engines.peft_local:PeftEngine",
+    "ray": "lorasync.engines.ray_actor:RayEngine",
+}
+for _name, _target in BUILTIN_ENGINES.items():
+    engine_registry.register(_name, _target)
+
 
 def register_engine(name: str, target: str | type, *, clobber: bool = False) -> None:
     """Register an engine class (or lazy ``"module:Class"``) under ``name`` in this process.
@@ -167,7 +181,8 @@ def connect(kind: str, url: str = "", *, registry: Registry | None = None, **opt
     """A client for the engine kind ``kind`` at ``url``.
 
     Args:
-        kind (`str`): ``"vllm"``, ``"sglang"``, ``"peft"`` or a plugin's name.
+        kind (`str`): ``"vllm"``, ``"vllm-inprocess"``, ``"sglang"``, ``"peft"``, ``"ray"`` or a
+            plugin's name.
         url (`str`): the server's base URL (engines that run in-process ignore it).
         registry (`Registry`, *optional*): look ``kind`` up here instead of the global registry.
         **options: passed to the client's constructor (``api_key``, ``timeout``, ``retries``...).

@@ -18,16 +18,18 @@ Quirks handled here (see docs/engines/vllm.md):
   loads unique versioned names): it counts as success once ``/v1/models`` confirms the path.
 * ``load_inplace=True`` is persisted by vLLM 0.32 and re-reads the files on every step; it is
   off unless asked for, and ``capabilities().load_inplace`` is False.
+
+The module is longer than the house's ~400 lines because it is one class whose public methods
+come in sync/async pairs with full docstrings; the operations behind them are written once.
+Error mapping lives in ``_errors``, body parsing in ``_bodies``, routes and specs in ``_protocol``.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 from urllib.parse import urlsplit
 
@@ -36,20 +38,30 @@ import httpx
 from lorasync._retry import RetryPolicy
 from lorasync.wire.d2h import to_shm_segment
 from lorasync.engines._base import Capabilities
+from lorasync.engines._hosts import is_same_host
 from lorasync.engines._http import Call, HTTPEngine, Operation, body_json, body_text
+from lorasync.engines.vllm._bodies import Completion, adapter_roots, completion_of, lora_in_use
+from lorasync.engines.vllm._errors import dig, disabled, generic, load_error, message_of, route_missing, unexpected
+from lorasync.engines.vllm._protocol import (
+    COMPLETIONS_ROUTE,
+    CONFIG_KEY,
+    FUSED_MODULES,
+    IPC_PREFIX,
+    LOAD_ROUTE,
+    METRICS_ROUTE,
+    MODELS_ROUTE,
+    RPC_ROUTE,
+    SERVER_INFO_ROUTE,
+    UNLOAD_ROUTE,
+    WORKER_EXTENSION,
+    CudaStage,
+    ShmStage,
+)
 from lorasync.errors import (
-    AdapterAlreadyLoadedError,
     AdapterNotFoundError,
-    AdapterRejectedError,
     CapabilityError,
     ConfigError,
-    EngineError,
     EngineProtocolError,
-    EngineUnavailableError,
-    IncompatibleAdapterError,
-    LoraNotEnabledError,
-    RankTooLargeError,
-    RuntimeLoraDisabledError,
 )
 
 if TYPE_CHECKING:
@@ -57,57 +69,8 @@ if TYPE_CHECKING:
 
     from lorasync._adapter import Adapter
 
-__all__ = ["Completion", "VLLMEngine"]
+__all__ = ["Completion", "VLLMEngine"]  # Completion lives in _bodies; re-exported here
 
-LOAD_ROUTE = "/v1/load_lora_adapter"
-UNLOAD_ROUTE = "/v1/unload_lora_adapter"
-MODELS_ROUTE = "/v1/models"
-COMPLETIONS_ROUTE = "/v1/completions"
-SERVER_INFO_ROUTE = "/server_info"
-METRICS_ROUTE = "/metrics"
-# vLLM's Prometheus gauge of which adapters have requests (vllm/v1/metrics/loggers.py).
-LORA_GAUGE = "vllm:lora_requests_info"
-RPC_ROUTE = "/collective_rpc"
-RUNTIME_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
-# Must match lorasync.engines.vllm_worker (not imported here: it needs vLLM).
-IPC_PREFIX = "/lorasync-ipc/"
-CONFIG_KEY = "lorasync.adapter_config"
-# vLLM stores these HF projections as one fused weight: merged updates send whole groups.
-FUSED_MODULES = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-
-_RANK = re.compile(r"LoRA rank (\d+) is greater than max_lora_rank (\d+)")
-# Multiprocess executors wrap the worker's message: "... Worker failed with error '<msg>', please check ..."
-_WORKER = re.compile(r"Worker failed with error '(.*)', please check", re.DOTALL)
-_LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1", "0.0.0.0"}
-
-# Substrings of vLLM's refusals of an adapter's content (peft_helper.py, lora_model.py, utils.py),
-# each with what the user should do about it.
-_INCOMPATIBLE: tuple[tuple[str, str], ...] = (
-    ("unsupported LoRA weight", "save with Adapter.save or PEFT save_pretrained (keys without '.default')"),
-    ("expected target modules", "target only modules this model supports (the list is in the message)"),
-    ("support DoRA", "export a plain LoRA adapter (use_dora=False)"),
-    ("bias is not supported", "train the adapter with bias='none'"),
-    ("LoRA bias", "train the adapter with lora_bias=False"),
-    ("Missing required configuration fields", "write adapter_config.json with r, lora_alpha and target_modules"),
-    ("does not support", "export a plain LoRA adapter without that feature"),
-    ("only supports modules_to_save", "drop modules_to_save from the adapter"),
-    ("must be a positive integer", "fix r / rank_pattern in adapter_config.json"),
-)
-
-
-@dataclass(frozen=True)
-class Completion:
-    """A greedy completion: generated token ids and, when asked for, their logprobs.
-
-    ``logprobs[i]`` is the log-probability of ``token_ids[i]``; ``top_logprobs[i]`` maps the
-    top-k token ids at step ``i`` to theirs.
-    """
-
-    model: str
-    token_ids: tuple[int, ...]
-    logprobs: tuple[float, ...] | None = None
-    top_logprobs: tuple[dict[int, float], ...] | None = None
-    text: str = ""
 
 
 class VLLMEngine(HTTPEngine):
@@ -157,7 +120,7 @@ class VLLMEngine(HTTPEngine):
         )
         self.max_rank = max_rank
         self.max_loras = max_loras
-        self.same_host = same_host if same_host is not None else urlsplit(self.url).hostname in _LOCAL_HOSTS
+        self.same_host = is_same_host(self.url, same_host)
         self._ipc_tokens: dict[str, str] = {}  # adapter name -> token of tensors staged in the workers
 
     # -- public API: each operation written once, driven sync and async ---------------------------
@@ -352,12 +315,12 @@ class VLLMEngine(HTTPEngine):
         # GET on a POST-only route: 405 when registered, 404 when runtime updating is off.
         probe = yield Call("GET", LOAD_ROUTE)
         if probe.status_code not in (404, 405):
-            raise self._error(probe, LOAD_ROUTE, None, EngineProtocolError, "probe of the runtime LoRA route")
+            raise unexpected(self, probe, LOAD_ROUTE, None, EngineProtocolError, "probe of the runtime LoRA route")
         runtime_lora = probe.status_code == 405
 
         lora, max_rank, max_loras, targets, extension_cls = True, self.max_rank, self.max_loras, None, ""
         info = yield Call("GET", SERVER_INFO_ROUTE, params={"config_format": "json"})
-        config = _dig(body_json(info), "vllm_config") if info.status_code == 200 else None
+        config = dig(body_json(info), "vllm_config") if info.status_code == 200 else None
         if isinstance(config, dict):  # dev mode: the server's own config is authoritative
             lora_config = config.get("lora_config")
             lora = isinstance(lora_config, dict)
@@ -367,14 +330,14 @@ class VLLMEngine(HTTPEngine):
                 max_loras = lora_config.get("max_cpu_loras") or lora_config.get("max_loras", max_loras)
                 if lora_config.get("target_modules"):
                     targets = frozenset(lora_config["target_modules"])
-            extension_cls = _dig(config, "parallel_config", "worker_extension_cls") or ""
+            extension_cls = dig(config, "parallel_config", "worker_extension_cls") or ""
 
         extension = False
         if isinstance(config, dict) and extension_cls:
             extension = yield from self._has_worker_extension()
 
         version_response = yield Call("GET", "/version")
-        version = _dig(body_json(version_response), "version") if version_response.status_code == 200 else None
+        version = dig(body_json(version_response), "version") if version_response.status_code == 200 else None
         notes = [
             f"vllm {version or 'unknown version'}",
             "unload forgets the name but keeps the weights in the engine's LoRA cache until evicted",
@@ -407,9 +370,9 @@ class VLLMEngine(HTTPEngine):
         if response.status_code == 404:
             return None
         if response.status_code != 200:
-            raise self._generic(response, METRICS_ROUTE, None, _message(response), "reading metrics")
+            raise generic(self, response, METRICS_ROUTE, None, message_of(response), "reading metrics")
         try:
-            return _lora_in_use(body_text(response))
+            return lora_in_use(body_text(response))
         except ValueError as exc:
             raise EngineProtocolError(
                 f"{self.kind} at {self.url}{METRICS_ROUTE} answered text that is not Prometheus' format ({exc}); "
@@ -427,7 +390,7 @@ class VLLMEngine(HTTPEngine):
         response = yield Call(
             "POST", RPC_ROUTE, json={"method": self.worker_extension_probe, "timeout": 30.0}, retry=False
         )
-        results = _dig(body_json(response), "results") if response.status_code == 200 else None
+        results = dig(body_json(response), "results") if response.status_code == 200 else None
         return isinstance(results, list) and bool(results) and all(results)
 
     def _load(self, name: str, path: str | os.PathLike[str], load_inplace: bool) -> Operation[None]:
@@ -441,12 +404,12 @@ class VLLMEngine(HTTPEngine):
         response = yield Call("POST", LOAD_ROUTE, json=body)
         if response.status_code == 200 and body_text(response).startswith("Success"):
             return
-        message = _message(response)
+        message = message_of(response)
         if response.status_code == 200:
             # Not vLLM's success text (empty, a proxy's page, a JSON error): only the engine's
             # model list says whether the adapter serves.
             models = yield Call("GET", MODELS_ROUTE)
-            served = _adapter_roots(models)
+            served = adapter_roots(models)
             if name in served and served[name] in (None, lora_path):
                 return
             raise EngineProtocolError(
@@ -459,10 +422,10 @@ class VLLMEngine(HTTPEngine):
             # An earlier attempt of this request reached the server before its connection failed.
             # Success only if the name now serves our path.
             models = yield Call("GET", MODELS_ROUTE)
-            served = _adapter_roots(models)
+            served = adapter_roots(models)
             if name in served and served[name] in (None, lora_path):
                 return
-        raise self._load_error(response, name, lora_path, message)
+        raise load_error(self, response, name, lora_path, message)
 
     def _load_tensors(self, name: str, adapter: Adapter) -> Operation[None]:
         if not name:
@@ -476,7 +439,7 @@ class VLLMEngine(HTTPEngine):
             # CPU tensors are copied in directly; GPU tensors come over in one transfer per device.
             segment = to_shm_segment(adapter.tensors, {CONFIG_KEY: config})
             try:
-                spec = json.dumps({"token": token, "shm": segment.name, "nbytes": segment.nbytes})
+                spec = ShmStage(shm=segment.name, nbytes=segment.nbytes, token=token).to_json()
                 yield from self._rpc("lorasync_stage_adapter", spec, adapter=name)
             finally:
                 # Every worker copied the tensors out (or failed): the segment is no longer needed.
@@ -497,7 +460,7 @@ class VLLMEngine(HTTPEngine):
 
         export = export_tensors(adapter.tensors, {CONFIG_KEY: config})
         try:
-            spec = json.dumps({"token": token, **export.spec})
+            spec = CudaStage(token=token, ipc=export.spec).to_json()
             results = yield from self._rpc("lorasync_stage_adapter_cuda", spec, adapter=name)
         finally:
             # Every worker has its own copy (or failed): the trainer's buffer can go.
@@ -510,7 +473,7 @@ class VLLMEngine(HTTPEngine):
     def _update_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> Operation[None]:
         segment = to_shm_segment(named_tensors)
         try:
-            spec = json.dumps({"shm": segment.name, "nbytes": segment.nbytes})
+            spec = ShmStage(shm=segment.name, nbytes=segment.nbytes).to_json()
             yield from self._rpc("lorasync_update_weights", spec, adapter=None)
         finally:
             segment.release()
@@ -518,28 +481,28 @@ class VLLMEngine(HTTPEngine):
     def _pause(self) -> Operation[None]:
         response = yield Call("POST", "/pause", params={"mode": "wait"}, retry=False)
         if response.status_code != 200:
-            raise self._generic(response, "/pause", None, _message(response), "pausing generation (needs VLLM_SERVER_DEV_MODE=1)")
+            raise generic(self, response, "/pause", None, message_of(response), "pausing generation (needs VLLM_SERVER_DEV_MODE=1)")
 
     def _resume(self) -> Operation[None]:
         response = yield Call("POST", "/reset_prefix_cache")
         if response.status_code != 200:
-            raise self._generic(response, "/reset_prefix_cache", None, _message(response), "resetting the prefix cache")
+            raise generic(self, response, "/reset_prefix_cache", None, message_of(response), "resetting the prefix cache")
         response = yield Call("POST", "/resume")
         if response.status_code != 200:
-            raise self._generic(response, "/resume", None, _message(response), "resuming generation")
+            raise generic(self, response, "/resume", None, message_of(response), "resuming generation")
 
     def _rpc(self, method: str, arg: str, *, adapter: str | None, check: bool = True) -> Operation[list[Any]]:
         """Call a worker-extension method on every worker (``/collective_rpc``; args are strings)."""
         response = yield Call("POST", RPC_ROUTE, json={"method": method, "args": [arg]}, retry=False)
-        results = _dig(body_json(response), "results") if response.status_code == 200 else None
+        results = dig(body_json(response), "results") if response.status_code == 200 else None
         if check and not isinstance(results, list):
             if response.status_code == 404:
                 raise CapabilityError(
                     f"{self.kind} at {self.url} has no /collective_rpc: start it with VLLM_SERVER_DEV_MODE=1 and "
-                    "--worker-extension-cls lorasync.engines.vllm_worker.LoraSyncWorkerExtension (or use transport='disk')",
+                    f"--worker-extension-cls {WORKER_EXTENSION} (or use transport='disk')",
                     **self.error_context(RPC_ROUTE, adapter, response),
                 )
-            raise self._generic(response, RPC_ROUTE, adapter, _message(response), f"worker call {method}")
+            raise generic(self, response, RPC_ROUTE, adapter, message_of(response), f"worker call {method}")
         return results if isinstance(results, list) else []
 
     def _unload(self, name: str) -> Operation[None]:
@@ -550,7 +513,7 @@ class VLLMEngine(HTTPEngine):
             # Not vLLM's success text: believe the model list (a JSON error or empty 200 from a
             # proxy must not count as an unload that did not happen).
             after = yield Call("GET", MODELS_ROUTE)
-            if after.status_code != 200 or name in _adapter_roots(after):
+            if after.status_code != 200 or name in adapter_roots(after):
                 raise EngineProtocolError(
                     f"{self.kind} at {self.url}{UNLOAD_ROUTE} answered the unload of {name!r} with HTTP 200 but "
                     f"{body_text(response)[:200]!r}, and the adapter is still listed; call unload_adapter again",
@@ -562,23 +525,23 @@ class VLLMEngine(HTTPEngine):
                 # Tensors staged in the workers for this name are no longer reachable by requests.
                 yield from self._rpc("lorasync_release_adapter", token, adapter=name, check=False)
             return
-        if _route_missing(response):
-            raise self._disabled(response, UNLOAD_ROUTE, name)
-        message = _message(response)
+        if route_missing(response):
+            raise disabled(self, response, UNLOAD_ROUTE, name)
+        message = message_of(response)
         if response.status_code == 404 or "cannot be found" in message:
             raise AdapterNotFoundError(
                 f"{self.kind} at {self.url} does not serve adapter {name!r}; list_adapters() shows what it serves",
                 **self.error_context(UNLOAD_ROUTE, name, response),
             )
-        raise self._generic(response, UNLOAD_ROUTE, name, message, f"unload of adapter {name!r}")
+        raise generic(self, response, UNLOAD_ROUTE, name, message, f"unload of adapter {name!r}")
 
     def _list(self) -> Operation[list[str]]:
         response = yield Call("GET", MODELS_ROUTE)
         if response.status_code != 200:
-            raise self._generic(response, MODELS_ROUTE, None, _message(response), "listing models")
-        if _dig(body_json(response), "data") is None:
-            raise self._error(response, MODELS_ROUTE, None, EngineProtocolError, "listing models")
-        return list(_adapter_roots(response))
+            raise generic(self, response, MODELS_ROUTE, None, message_of(response), "listing models")
+        if dig(body_json(response), "data") is None:
+            raise unexpected(self, response, MODELS_ROUTE, None, EngineProtocolError, "listing models")
+        return list(adapter_roots(response))
 
     def _greedy(
         self, name: str | None, prompt_ids: Sequence[int], max_tokens: int
@@ -586,10 +549,10 @@ class VLLMEngine(HTTPEngine):
         model = name
         if model is None:
             response = yield Call("GET", MODELS_ROUTE)
-            cards = _dig(body_json(response), "data") if response.status_code == 200 else None
+            cards = dig(body_json(response), "data") if response.status_code == 200 else None
             bases = [c.get("id") for c in cards or [] if isinstance(c, dict) and not c.get("parent")]
             if not bases or not isinstance(bases[0], str):
-                raise self._error(response, MODELS_ROUTE, None, EngineProtocolError, "listing the base model")
+                raise unexpected(self, response, MODELS_ROUTE, None, EngineProtocolError, "listing the base model")
             model = bases[0]
         completion = yield from self._generate(prompt_ids, model, max_tokens, 1, True)
         return list(completion.token_ids), list(completion.logprobs or ())
@@ -610,216 +573,27 @@ class VLLMEngine(HTTPEngine):
             body["return_tokens_as_token_ids"] = True  # logprob keys become "token_id:<id>"
         response = yield Call("POST", COMPLETIONS_ROUTE, json=body)
         if response.status_code != 200:
-            message = _message(response)
+            message = message_of(response)
             if response.status_code == 404 and "does not exist" in message:
                 raise AdapterNotFoundError(
                     f"{self.kind} at {self.url} serves no model or adapter named {model!r}; "
                     "load it first or check list_adapters()",
                     **self.error_context(COMPLETIONS_ROUTE, model, response),
                 )
-            raise self._generic(response, COMPLETIONS_ROUTE, model, message, f"completion with model {model!r}")
-        choice = _dig(body_json(response), "choices", 0)
+            raise generic(self, response, COMPLETIONS_ROUTE, model, message, f"completion with model {model!r}")
+        choice = dig(body_json(response), "choices", 0)
         if not isinstance(choice, dict):
-            raise self._error(response, COMPLETIONS_ROUTE, model, EngineProtocolError, "completion")
-        completion = _completion(choice, model, logprobs is not None)
+            raise unexpected(self, response, COMPLETIONS_ROUTE, model, EngineProtocolError, "completion")
+        completion = completion_of(choice, model, logprobs is not None)
         if completion is None:
-            raise self._error(response, COMPLETIONS_ROUTE, model, EngineProtocolError, "completion token ids")
+            raise unexpected(self, response, COMPLETIONS_ROUTE, model, EngineProtocolError, "completion token ids")
         return completion
 
-    # -- error mapping ---------------------------------------------------------------------------
 
-    def _load_error(self, response: httpx.Response, name: str, path: str, message: str) -> EngineError:
-        context = self.error_context(LOAD_ROUTE, name, response)
-        status = response.status_code
-        where = f"{self.kind} at {self.url}"
-        detail = _worker_message(message)
-        if _route_missing(response):
-            return self._disabled(response, LOAD_ROUTE, name)
-        if "has already been loaded" in message:
-            return AdapterAlreadyLoadedError(
-                f"{where} already serves an adapter named {name!r}; publish under a new versioned name, "
-                "unload it first, or pass load_inplace=True (unsafe on vLLM 0.32, see docs/engines/vllm.md)",
-                **context,
-            )
-        if "conflicts with a served base model" in message:
-            return IncompatibleAdapterError(
-                f"{where} serves its base model under the name {name!r}; choose another adapter name",
-                **context,
-            )
-        if "No adapter found" in message or "doesn't contain tensors" in message:
-            return AdapterNotFoundError(
-                f"{where} found no adapter at {path} ({detail}); the directory must exist on the engine's "
-                "host and hold adapter_config.json and adapter_model.safetensors",
-                path=path,
-                **context,
-            )
-        rank = _RANK.search(message)
-        if rank is not None or "is greater than max_lora_rank" in message:
-            r, max_r = (int(rank.group(1)), int(rank.group(2))) if rank else (None, None)
-            return RankTooLargeError(
-                f"{where} refused adapter {name!r}: {detail}; restart vLLM with a larger --max-lora-rank "
-                f"or train/trim the adapter to r <= {max_r if max_r is not None else 'the max rank'}",
-                rank=r,
-                max_rank=max_r,
-                **context,
-            )
-        if "LoRA is not enabled" in message:
-            return LoraNotEnabledError(
-                f"{where} runs without LoRA; restart it with --enable-lora (and --max-lora-rank >= the "
-                "adapter's rank), or publish with transport='merged'",
-                **context,
-            )
-        for needle, fix in _INCOMPATIBLE:
-            if needle in message:
-                return IncompatibleAdapterError(
-                    f"{where} refused adapter {name!r} from {path}: {detail}; {fix}", reason=detail, **context
-                )
-        if status >= 500 and "Call to add_lora method failed" in message and not _engine_dead(message):
-            return AdapterRejectedError(
-                f"{where} failed to load adapter {name!r} from {path}: {detail}; check the adapter and the "
-                "server log",
-                reason=detail,
-                **context,
-            )
-        return self._generic(response, LOAD_ROUTE, name, message, f"load of adapter {name!r} from {path}")
-
-    def _disabled(self, response: httpx.Response, route: str, name: str | None) -> RuntimeLoraDisabledError:
-        return RuntimeLoraDisabledError(
-            f"{self.kind} at {self.url} has no runtime LoRA routes (HTTP 404 on {route}); restart the server "
-            f"with {RUNTIME_ENV}=1 in its environment and --api-server-count 1",
-            **self.error_context(route, name, response),
-        )
-
-    def _generic(self, response: httpx.Response, route: str, name: str | None, message: str, what: str) -> EngineError:
-        context = self.error_context(route, name, response)
-        text = f"{self.kind} at {self.url}{route}: {what} failed with HTTP {response.status_code}: {message}"
-        if response.status_code >= 500 and _engine_dead(message):
-            return EngineUnavailableError(f"{text}; the engine process died, restart the server", **context)
-        return EngineError(f"{text}; check the request and the server log", **context)
-
-    def _error(
-        self, response: httpx.Response, route: str, name: str | None, cls: type[EngineError], what: str
-    ) -> EngineError:
-        return cls(
-            f"{self.kind} at {self.url}{route}: unexpected answer to {what} (HTTP {response.status_code}): "
-            f"{body_text(response)[:300]!r}; is this a vLLM OpenAI server?",
-            **self.error_context(route, name, response),
-        )
-
-
-
-# -- helpers: reading vLLM's bodies --------------------------------------------------------------
+# -- helpers --------------------------------------------------------------------------------------
 
 
 def _one_cuda_device(adapter: Adapter) -> bool:
     """All of the adapter's tensors on one CUDA device (what one CUDA IPC share can carry)."""
     devices = {t.device for t in adapter.tensors.values()}
     return len(devices) == 1 and next(iter(devices)).type == "cuda"
-
-
-def _dig(value: Any, *keys: str | int) -> Any:
-    """``value[k0][k1]...`` or None when any step is missing or of the wrong type."""
-    for key in keys:
-        if isinstance(key, int):
-            if not isinstance(value, list) or not -len(value) <= key < len(value):
-                return None
-        elif not isinstance(value, dict):
-            return None
-        value = value[key] if isinstance(key, int) else value.get(key)
-    return value
-
-
-def _message(response: httpx.Response) -> str:
-    """The error text of any vLLM envelope: nested (>= 0.10.1), flat (older), FastAPI's detail,
-    the auth middleware's bare string, or the raw body."""
-    data = body_json(response)
-    for candidate in (_dig(data, "error", "message"), _dig(data, "message"), _dig(data, "detail"), _dig(data, "error")):
-        if isinstance(candidate, str) and candidate:
-            return candidate
-    return body_text(response).strip()[:500]
-
-
-def _worker_message(message: str) -> str:
-    """The worker's own message inside vLLM's "Call to ... failed: Worker failed with error '...'" wrappers."""
-    match = _WORKER.search(message)
-    inner = match.group(1) if match else message.split("method failed: ", 1)[-1]
-    return inner.rstrip(".")
-
-
-def _route_missing(response: httpx.Response) -> bool:
-    """FastAPI's own 404 (no vLLM envelope): the route is not registered."""
-    return response.status_code == 404 and _dig(body_json(response), "detail") == "Not Found"
-
-
-def _engine_dead(message: str) -> bool:
-    return any(s in message for s in ("EngineCore encountered an issue", "EngineDeadError", "Engine loop has died"))
-
-
-def _adapter_roots(response: httpx.Response) -> dict[str, str | None]:
-    """Adapter name → path from a ``/v1/models`` answer (adapters are the cards with a parent)."""
-    cards = _dig(body_json(response), "data") if response.status_code == 200 else None
-    if not isinstance(cards, list):
-        return {}
-    return {
-        card["id"]: card.get("root")
-        for card in cards
-        if isinstance(card, dict) and card.get("parent") and isinstance(card.get("id"), str)
-    }
-
-
-def _lora_in_use(text: str) -> frozenset[str] | None:
-    """Running and waiting adapter names from a Prometheus exposition, or None without the gauge.
-
-    vLLM sets the gauge's value to the current time under labels naming the adapters and never
-    removes older label sets, so every past combination stays listed: only the newest sample(s)
-    describe the engine now (several share the newest time only when engines log together).
-
-    Raises:
-        ValueError: the text is not in Prometheus' exposition format.
-    """
-    from prometheus_client.parser import text_string_to_metric_families
-
-    samples = [
-        sample
-        for family in text_string_to_metric_families(text)
-        if family.name == LORA_GAUGE
-        for sample in family.samples
-        if sample.name == LORA_GAUGE
-    ]
-    if not samples:
-        return None if LORA_GAUGE not in text else frozenset()
-    newest = max(sample.value for sample in samples)
-    names: set[str] = set()
-    for sample in samples:
-        if sample.value == newest:
-            for label in ("running_lora_adapters", "waiting_lora_adapters"):
-                names.update(n for n in sample.labels.get(label, "").split(",") if n)
-    return frozenset(names)
-
-
-def _token_id(token: str) -> int | None:
-    return int(token[len("token_id:") :]) if token.startswith("token_id:") else None
-
-
-def _completion(choice: dict[str, Any], model: str, with_logprobs: bool) -> Completion | None:
-    lp = choice.get("logprobs") if isinstance(choice.get("logprobs"), dict) else None
-    ids = choice.get("token_ids")
-    if not isinstance(ids, list) and lp is not None:  # servers without return_token_ids
-        parsed = [_token_id(t) for t in lp.get("tokens") or []]
-        ids = parsed if all(i is not None for i in parsed) else None
-    if not isinstance(ids, list):
-        return None
-    logprobs = top = None
-    if with_logprobs and lp is not None:
-        logprobs = tuple(float(x) for x in lp.get("token_logprobs") or [])
-        top = tuple(
-            {tid: float(v) for k, v in (step or {}).items() if (tid := _token_id(k)) is not None}
-            for step in lp.get("top_logprobs") or []
-        )
-    return Completion(
-        model=model,
-        token_ids=tuple(int(i) for i in ids),
-        logprobs=logprobs,
-        top_logprobs=top,
-        text=str(choice.get("text") or ""),
-    )

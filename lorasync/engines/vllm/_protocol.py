@@ -1,0 +1,165 @@
+"""What lorasync and vLLM agree on: routes, constants and the stage specs of the worker extension.
+
+Both sides import this module: the HTTP client and the in-process engine (which build the specs)
+and the worker extension running inside vLLM's workers (which reads them). It imports only the
+standard library and ``lorasync.errors``, so vLLM's worker processes can load it cheaply.
+
+Stage specs travel as JSON strings through ``collective_rpc`` (never pickle: a worker must not
+unpickle bytes a client sent). Each carries a version so a worker refuses, with a typed error, a
+spec written by another lorasync release instead of misreading it:
+
+* :class:`ShmStage` — an adapter (``token`` set) or base weights (no token) in one shared-memory
+  segment, ``{"version": 1, "token": ..., "shm": ..., "nbytes": ...}``;
+* :class:`CudaStage` — an adapter packed in one GPU buffer shared by a CUDA IPC handle, the
+  token beside the CUDA IPC spec of ``lorasync.transports._cuda_ipc`` (which is versioned itself:
+  ``{"token": ..., "version": SPEC_VERSION, "header": ..., "ipc": ...}``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from lorasync.errors import ConfigError
+
+__all__ = [
+    "COMPLETIONS_ROUTE",
+    "CONFIG_KEY",
+    "FUSED_MODULES",
+    "IPC_PREFIX",
+    "LOAD_ROUTE",
+    "LORA_GAUGE",
+    "METRICS_ROUTE",
+    "MODELS_ROUTE",
+    "RPC_ROUTE",
+    "RUNTIME_ENV",
+    "SERVER_INFO_ROUTE",
+    "SHM_STAGE_VERSION",
+    "UNLOAD_ROUTE",
+    "WORKER_EXTENSION",
+    "CudaStage",
+    "ShmStage",
+    "check_token",
+]
+
+LOAD_ROUTE = "/v1/load_lora_adapter"
+UNLOAD_ROUTE = "/v1/unload_lora_adapter"
+MODELS_ROUTE = "/v1/models"
+COMPLETIONS_ROUTE = "/v1/completions"
+SERVER_INFO_ROUTE = "/server_info"
+METRICS_ROUTE = "/metrics"
+RPC_ROUTE = "/collective_rpc"
+# vLLM's Prometheus gauge of which adapters have requests (vllm/v1/metrics/loggers.py).
+LORA_GAUGE = "vllm:lora_requests_info"
+RUNTIME_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+# The value users pass to --worker-extension-cls (or LLM(worker_extension_cls=...)).
+WORKER_EXTENSION = "lorasync.engines.vllm_worker.LoraSyncWorkerExtension"
+
+# A LoRA path starting with this prefix names tensors staged in the workers, not a directory.
+IPC_PREFIX = "/lorasync-ipc/"
+# Safetensors metadata key holding the adapter's PEFT config (JSON) in a staged buffer.
+CONFIG_KEY = "lorasync.adapter_config"
+# vLLM stores these HF projections as one fused weight: merged updates send whole groups.
+FUSED_MODULES = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+SHM_STAGE_VERSION = 1
+
+
+def check_token(token: Any) -> str:
+    """A staging token as the workers accept it: a non-empty string that cannot leave the prefix.
+
+    Raises:
+        ConfigError: an empty token or one holding ``/``.
+    """
+    if not isinstance(token, str) or not token or "/" in token:
+        raise ConfigError(f"bad lorasync token {token!r}: staging tokens are non-empty strings without '/'")
+    return token
+
+
+def _object(text: str, what: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{what} spec is not JSON ({exc}); client and engine must run the same lorasync") from exc
+    if not isinstance(value, dict):
+        raise ConfigError(f"{what} spec must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+@dataclass(frozen=True)
+class ShmStage:
+    """Tensors in one shared-memory segment (lorasync's safetensors layout), for the workers to copy.
+
+    Args:
+        shm (`str`): the segment's name.
+        nbytes (`int`): bytes of the segment that hold the header and tensors.
+        token (`str`, *optional*): the adapter's staging token; None for base weights.
+    """
+
+    shm: str
+    nbytes: int
+    token: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.shm, str) or not self.shm:
+            raise ConfigError(f"shared-memory stage needs a segment name, got {self.shm!r}")
+        if not isinstance(self.nbytes, int) or isinstance(self.nbytes, bool) or self.nbytes <= 0:
+            raise ConfigError(f"shared-memory stage needs a positive byte count, got {self.nbytes!r}")
+        if self.token is not None:
+            check_token(self.token)
+
+    def to_json(self) -> str:
+        """The spec as sent through ``collective_rpc``."""
+        spec: dict[str, Any] = {"version": SHM_STAGE_VERSION, "shm": self.shm, "nbytes": self.nbytes}
+        if self.token is not None:
+            spec["token"] = self.token
+        return json.dumps(spec)
+
+    @classmethod
+    def from_json(cls, text: str) -> ShmStage:
+        """Read a spec written by :meth:`to_json`.
+
+        Raises:
+            ConfigError: not JSON, another version, or bad fields.
+        """
+        spec = _object(text, "shared-memory stage")
+        if spec.get("version") != SHM_STAGE_VERSION:
+            raise ConfigError(
+                f"shared-memory stage spec version {spec.get('version')!r}, this worker reads "
+                f"{SHM_STAGE_VERSION}; run the same lorasync in the trainer and the engine"
+            )
+        return cls(shm=spec.get("shm"), nbytes=spec.get("nbytes"), token=spec.get("token"))  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class CudaStage:
+    """An adapter in one GPU buffer shared through CUDA IPC, under a staging token.
+
+    Args:
+        token (`str`): the adapter's staging token.
+        ipc (`Mapping`): ``CudaExport.spec`` (versioned and validated by
+            ``lorasync.transports._cuda_ipc``, which the worker calls to map it).
+    """
+
+    token: str
+    ipc: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check_token(self.token)
+
+    def to_json(self) -> str:
+        """The spec as sent through ``collective_rpc``."""
+        return json.dumps({**self.ipc, "token": self.token})
+
+    @classmethod
+    def from_json(cls, text: str) -> CudaStage:
+        """Read a spec written by :meth:`to_json` (the CUDA IPC part is checked when mapped).
+
+        Raises:
+            ConfigError: not JSON or a bad token.
+        """
+        spec = _object(text, "CUDA IPC stage")
+        token = spec.pop("token", None)
+        return cls(token=token, ipc=spec)  # type: ignore[arg-type]
