@@ -31,7 +31,6 @@ import os
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
-from urllib.parse import urlsplit
 
 import httpx
 

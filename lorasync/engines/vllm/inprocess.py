@@ -13,7 +13,8 @@ Each operation is written once as a generator of steps (a method of the engine c
 arguments) and driven two ways by ``_steps.StepDriver``, as the HTTP clients do with their
 calls: directly for a ``vllm.LLM``, awaited on the AsyncLLM's own event loop for an ``AsyncLLM``.
 
-Tested against vLLM 0.32 (CPU build).
+Tested against vLLM 0.32 (CPU build). The module runs a little over 400 lines because each
+operation is written once for both the sync ``LLM`` and the ``AsyncLLM``.
 """
 
 from __future__ import annotations
@@ -248,7 +249,9 @@ class VLLMInProcessEngine(StepDriver, Engine):
             lora=lora is not None,
             runtime_lora=True,
             max_rank=lora.max_lora_rank if lora is not None else None,
-            # The worker's LRU holds max_cpu_loras adapters (>= max_loras GPU slots).
+            # The worker's LRU holds max_cpu_loras adapters (>= max_loras GPU slots); an evicted one
+            # is rebuilt from its staged tensors or files, so that is no hard limit.
+            reloads_from_path=True,
             max_loras=(lora.max_cpu_loras or lora.max_loras) if lora is not None else None,
             target_modules=frozenset(lora.target_modules) if lora is not None and getattr(lora, "target_modules", None) else None,
             tensor_load=extension,
