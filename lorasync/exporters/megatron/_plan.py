@@ -16,8 +16,8 @@ from typing import Any, Literal
 import torch
 
 from lorasync.errors import ConfigError, GeometryError, MissingShardError, UnknownAdapterNameError, UnknownModuleError
-from lorasync.exporters._megatron_layout import Geometry, factor_dims, stage_offsets
-from lorasync.exporters._megatron_names import MOE_MODEL_TYPES, RULES, ModuleRule, Side, hf_modules, parse_name
+from lorasync.exporters.megatron._layout import Geometry, factor_dims, stage_offsets
+from lorasync.exporters.megatron._names import MOE_MODEL_TYPES, RULES, ModuleRule, Side, hf_modules, parse_name
 
 __all__ = ["LORA_TYPES", "FactorPlan", "Grid", "ModulePlan", "ShardKey", "build_plan"]
 
@@ -274,7 +274,7 @@ def _check_name(name: str, rule: ModuleRule, sub: str | None, geometry: Geometry
         raise UnknownModuleError(
             f"{name!r}: HF model type {geometry.model_type!r} names its MoE modules differently from "
             f"{sorted(MOE_MODEL_TYPES)} ('mlp.experts.{{E}}.gate_proj', 'mlp.gate'); exclude expert "
-            "and router adapters or extend lorasync.exporters._megatron_names",
+            "and router adapters or extend lorasync.exporters.megatron._names",
             key=name,
         )
 

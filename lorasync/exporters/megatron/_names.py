@@ -161,7 +161,7 @@ def parse_name(name: str) -> MegatronName | None:
     known = ", ".join(rule.megatron for rule in RULES)
     raise UnknownModuleError(
         f"{name!r}: no rule translates module {match['path']!r} to an HF module (known: {known}); "
-        "exclude it from the LoRA targets or extend lorasync.exporters._megatron_names.RULES",
+        "exclude it from the LoRA targets or extend lorasync.exporters.megatron._names.RULES",
         key=name,
     )
 
