@@ -63,6 +63,8 @@ def export(
         GeometryError: shapes, TP size, head counts or layer numbering do not fit the base model.
         UnknownModuleError: an adapter on a module no rule translates.
         PaddedRankError: padding beyond ``rank`` holds trained values.
+        InexactExportError: DoRA magnitudes, or expert linear_fc2 adapters at expert-TP > 1
+            (state that no PEFT LoRA adapter reproduces; refused, never approximated).
         ConfigError, UnknownAdapterNameError: bad options, absent slot or no adapter at all.
 
     Example:

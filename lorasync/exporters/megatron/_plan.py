@@ -15,7 +15,14 @@ from typing import Any, Literal
 
 import torch
 
-from lorasync.errors import ConfigError, GeometryError, MissingShardError, UnknownAdapterNameError, UnknownModuleError
+from lorasync.errors import (
+    ConfigError,
+    GeometryError,
+    InexactExportError,
+    MissingShardError,
+    UnknownAdapterNameError,
+    UnknownModuleError,
+)
 from lorasync.exporters.megatron._layout import Geometry, factor_dims, stage_offsets
 from lorasync.exporters.megatron._names import MOE_MODEL_TYPES, RULES, ModuleRule, Side, hf_modules, parse_name
 
@@ -176,6 +183,7 @@ def build_plan(
 
     Raises:
         ConfigError, UnknownAdapterNameError, UnknownModuleError, MissingShardError, GeometryError.
+        InexactExportError: DoRA magnitudes, or expert linear_fc2 adapters at expert-TP > 1.
     """
     if lora_type not in LORA_TYPES:
         raise ConfigError(f"lora_type must be one of {LORA_TYPES}, got {lora_type!r}")
@@ -346,6 +354,17 @@ def _factor(key: tuple[Any, ...], entry: Mapping[str, Any], grid: Grid) -> Facto
 
 def _check_module(plan: ModulePlan, grid: Grid, geometry: Geometry) -> None:
     a, b, rule, tp = plan.a, plan.b, plan.rule, grid.tp
+    if rule.experts and rule.parallel == "row" and tp > 1:
+        # Measured on Megatron-Core 0.19 / Megatron-Bridge 0.6: the expert row-parallel path skips
+        # the all-reduce between linear_in and linear_out, so each rank's B_t·A_t only sees its own
+        # input slice and the layer computes TP·s·blockdiag(B_t·A_t), not s·B·A.
+        raise InexactExportError(
+            f"{plan.label}: an expert linear_fc2 LoRA trained at expert-TP={tp} is not a standard "
+            f"LoRA (Megatron computes {tp}·scale·blockdiag(B_t·A_t) because its expert row-parallel "
+            "path skips the all-reduce between A and B), so no PEFT adapter of this rank reproduces "
+            "it; train expert linear_fc2 adapters at expert_tensor_parallel_size=1, or leave them out "
+            "of the LoRA targets"
+        )
     if a.stage != b.stage:
         raise GeometryError(f"{plan.label}: linear_in and linear_out come from different pipeline stages")
     if len(a.full_shape) != len(b.full_shape):
