@@ -289,7 +289,8 @@ def _check_name(name: str, rule: ModuleRule, sub: str | None, geometry: Geometry
 
 def _label(layer: int, rule: ModuleRule, expert: int | None, sub: str | None) -> str:
     tail = f"[expert {expert}]" if expert is not None else ""
-    return f"decoder.layers.{layer}.{rule.megatron}{tail}.adapter{f'.{sub}' if sub else ''}"
+    path = rule.megatron.replace("{e}", "*")  # the local index differs per EP rank; the tail names the expert
+    return f"decoder.layers.{layer}.{path}{tail}.adapter{f'.{sub}' if sub else ''}"
 
 
 def _global_expert(local: int | None, ep: int, grid: Grid, geometry: Geometry, name: str) -> int:

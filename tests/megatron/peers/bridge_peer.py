@@ -211,7 +211,7 @@ def _compare_forward(adapter: Any, ckpt: Path, logits: Any, out: Path) -> dict[s
     import transformers
     from peft import PeftModel
 
-    adapter.save(out)
+    _with_zero_expert_down(adapter).save(out)
     base = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt), torch_dtype=torch.float32)
     ids = torch.tensor([SEQ])
     with torch.no_grad():
@@ -222,6 +222,35 @@ def _compare_forward(adapter: Any, ckpt: Path, logits: Any, out: Path) -> dict[s
         "forward_max_diff": float((mine - peft_logits).abs().max()),
         "adapter_effect": float((mine - base_logits).abs().max()),
     }
+
+
+def _with_zero_expert_down(adapter: Any) -> Any:
+    """PEFT 0.21 on transformers 5 folds per-expert names into the fused ``gate_up_proj`` /
+    ``down_proj`` parameters, and misses the keys when only gate/up are present; an all-zero
+    down_proj adapter (no effect on the output) makes it load them. Reference-side only."""
+    import dataclasses
+    import re
+
+    import torch
+
+    from lorasync import Adapter
+
+    tensors = dict(adapter.tensors)
+    gate = re.compile(r"^(.*\.mlp\.experts\.\d+\.)gate_proj\.lora_A\.weight$")
+    added = False
+    for key in list(tensors):
+        match = gate.match(key)
+        if match is None or f"{match[1]}down_proj.lora_A.weight" in tensors:
+            continue
+        a = tensors[key]
+        up_b = tensors[f"{match[1]}up_proj.lora_B.weight"]
+        tensors[f"{match[1]}down_proj.lora_A.weight"] = torch.zeros(a.shape[0], up_b.shape[0], dtype=a.dtype)
+        tensors[f"{match[1]}down_proj.lora_B.weight"] = torch.zeros(a.shape[1], a.shape[0], dtype=a.dtype)
+        added = True
+    if not added:
+        return adapter
+    config = dataclasses.replace(adapter.config, target_modules=(*adapter.config.target_modules, "down_proj"))
+    return Adapter(tensors, config)
 
 
 def _compare_bridge(adapter: Any, bridge_export: dict[str, Any]) -> dict[str, Any]:
