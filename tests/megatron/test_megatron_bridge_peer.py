@@ -56,14 +56,19 @@ def megatron_python() -> Path:
     return cache / "megatron-0.19.2-bridge-0.6.2" / "bin" / "python"
 
 
-@pytest.fixture(scope="module")
-def peer(tmp_path_factory) -> dict[str, dict]:
+def _require_python() -> Path:
     python = megatron_python()
     if not python.exists():
         message = f"Megatron venv python {python} not found; run scripts/megatron-venv.sh (LORASYNC_MEGATRON_PYTHON)"
         if os.environ.get("LORASYNC_REQUIRE_MEGATRON") == "1":
             pytest.fail(message)
         pytest.skip(message)
+    return python
+
+
+@pytest.fixture(scope="module")
+def peer(tmp_path_factory) -> dict[str, dict]:
+    python = _require_python()
     work = tmp_path_factory.mktemp("megatron-peer")
     spec, out = work / "spec.json", work / "results.json"
     spec.write_text(json.dumps({"world": 2, "scratch": str(work / "scratch"), "cases": CASES}))
@@ -124,8 +129,6 @@ def test_expert_fc2_at_expert_tp2_is_refused_on_both_paths(peer):
 
 
 def test_peer_python_is_3_12():
-    python = megatron_python()
-    if not python.exists():
-        pytest.skip("no Megatron venv")
+    python = _require_python()
     out = subprocess.run([str(python), "-c", "import sys; print(sys.version_info[:2])"], capture_output=True, text=True)
     assert out.stdout.strip() == "(3, 12)", out
