@@ -35,6 +35,7 @@ CASES = [
     _case("dense-lora-tp2", "dense", "lora", DENSE, tp=2, bridge_export=True),
     _case("dense-canonical-tp2", "dense", "canonical_lora", CANONICAL, tp=2),
     _case("dense-lora-pp2", "dense", "lora", DENSE, pp=2, bridge_export=True),
+    _case("dense-lora-pp2-vpp2", "dense", "lora", DENSE, pp=2, vp=2, bridge_export=True),
     _case("dense-dora-tp1", "dense", "dora", DENSE),
     _case("moe-lora-ep2", "moe", "lora", [*DENSE, "router"], ep=2),
     # router adapter at TP 2 (column-parallel in Megatron-Bridge) and expert fc1 at expert-TP 2
@@ -107,7 +108,7 @@ def test_export_distributed_equals_offline(peer, case):
     assert _ok(peer[case])["online_equals_offline"] is True
 
 
-@pytest.mark.parametrize("case", ["dense-lora-tp2", "dense-lora-pp2"])
+@pytest.mark.parametrize("case", ["dense-lora-tp2", "dense-lora-pp2", "dense-lora-pp2-vpp2"])
 def test_tensors_equal_megatron_bridge_own_export(peer, case):
     r = _ok(peer[case])
     assert r["bridge_common"] == 56 and r["bridge_different"] == [], r

@@ -17,6 +17,11 @@ What the export does, in order (trainer-formats.md §1-3, §6):
    gate/up; the shared A is copied to every projection; grouped experts get one copy each;
 5. ``r`` = rank, ``lora_alpha`` = alpha, ``use_rslora`` = False.
 
+Refused with :class:`~lorasync.errors.InexactExportError`, never approximated: DoRA magnitudes
+(``adapter.weight_magnitude``) and expert ``linear_fc2`` adapters at expert-TP > 1 (Megatron
+computes something no PEFT LoRA reproduces there). docs/exporters/megatron.md lists what is
+supported and refused, each line with the test that backs it.
+
 Layout of this package (each module imports only the ones above it in this list):
 
 - ``_names``: the rule table, name parsing and its inverse;

@@ -66,15 +66,15 @@ def _seed(name: str, *coords: int) -> int:
     return zlib.crc32(f"{name}|{coords}".encode())
 
 
-def _randomize(model: Any, *, tp: int, pp: int, ep: int) -> None:
-    """Random adapter values, equal on replicas: seeded by name + (pp, tp) (+ ep for experts)."""
+def _randomize(model: Any, *, tp: int, pp: int, ep: int, vp: int) -> None:
+    """Random adapter values, equal on replicas: seeded by name + (pp, vp, tp) (+ ep for experts)."""
     import torch
 
     for name, param in model.named_parameters():
         if ".adapter" not in name:
             continue
         expert = ".experts." in name
-        gen = torch.Generator().manual_seed(_seed(name, pp, tp, ep if expert else 0))
+        gen = torch.Generator().manual_seed(_seed(name, pp, vp, tp, ep if expert else 0))
         with torch.no_grad():
             if name.endswith("weight_magnitude"):
                 param.mul_(1 + 0.2 * torch.randn(param.shape, generator=gen))
@@ -101,6 +101,7 @@ def _build(case: dict[str, Any], ckpt: Path) -> tuple[Any, Any]:
     provider.transformer_layer_spec = local_layer_spec
     provider.tensor_model_parallel_size = case["tp"]
     provider.pipeline_model_parallel_size = case["pp"]
+    provider.virtual_pipeline_model_parallel_size = case.get("vp")
     provider.expert_model_parallel_size = case["ep"]
     provider.expert_tensor_parallel_size = case["tp"]
     provider.sequence_parallel = False
@@ -147,15 +148,15 @@ def run_case(case: dict[str, Any], ckpt: Path, scratch: Path) -> dict[str, Any] 
     ps.initialize_model_parallel(
         tensor_model_parallel_size=case["tp"], pipeline_model_parallel_size=case["pp"],
         expert_model_parallel_size=case["ep"], expert_tensor_parallel_size=case["tp"],
+        virtual_pipeline_model_parallel_size=case.get("vp"),
     )
     try:
-        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: F401
-
         bridge, model = _build(case, ckpt)
         tp, pp, ep = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), ps.get_expert_model_parallel_rank()
-        for chunk in model:
-            _randomize(chunk, tp=tp, pp=pp, ep=ep)
-        local = {n: p.detach().clone() for n, p in model[0].named_parameters() if ".adapter" in n}
+        for vp, chunk in enumerate(model):
+            _randomize(chunk, tp=tp, pp=pp, ep=ep, vp=vp)
+        # one state dict per virtual-pipeline chunk, stage-local layer numbers
+        local = [{n: p.detach().clone() for n, p in chunk.named_parameters() if ".adapter" in n} for chunk in model]
         result: dict[str, Any] = {"id": case["id"]}
         groups = dict(
             tp_group=ps.get_tensor_model_parallel_group() if case["tp"] > 1 else None,
@@ -165,7 +166,7 @@ def run_case(case: dict[str, Any], ckpt: Path, scratch: Path) -> dict[str, Any] 
         cfg = json.loads((ckpt / "config.json").read_text())
         lora_type = "canonical_lora" if case["method"] == "canonical_lora" else "lora"
         try:
-            online = megatron.export_distributed(local, base_config=cfg, alpha=16, rank=8, lora_type=lora_type, **groups)
+            online = megatron.export_distributed(local if len(local) > 1 else local[0], base_config=cfg, alpha=16, rank=8, lora_type=lora_type, **groups)
         except Exception as exc:  # recorded, asserted by the pytest side
             online, result["online_error"] = None, _error(exc)
         # the offline export: every rank's state dict on rank 0
@@ -183,7 +184,8 @@ def run_case(case: dict[str, Any], ckpt: Path, scratch: Path) -> dict[str, Any] 
             return None
         shards = {}
         for item in gathered:
-            shards.setdefault(tuple(item["key"]), item["state"])
+            for vp, state in enumerate(item["state"]):
+                shards.setdefault((*item["key"], vp), state)
         try:
             offline = megatron.export(shards, base_config=cfg, alpha=16, rank=8, lora_type=lora_type)
         except Exception as exc:
