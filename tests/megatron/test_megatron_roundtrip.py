@@ -59,6 +59,12 @@ def test_multilora_slot_is_selected_and_trimmed():
     _roundtrip(config(), r=3, rank=3, max_rank=4, tp=2, slot=2)
 
 
+def test_multilora_slot_on_packed_experts_is_selected_and_trimmed():
+    # Megatron-Bridge's MultiLoRAGroupedExpertLinear: adapters.{i} of [n_local, r_max, in] / [n_local, out, r_max],
+    # zeroed beyond the slot's rank; expert-TP 1 only (it refuses expert TP itself)
+    _roundtrip(config(experts=4), r=3, rank=3, max_rank=4, tp=1, ep=2, slot=1, experts="grouped")
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 def test_canonical_lora(tp):
     _roundtrip(config(), lora_type="canonical_lora", tp=tp, pp=2)
