@@ -18,7 +18,8 @@ Every message says what to do next.
     │   ├── UnknownAdapterNameError          the requested PEFT adapter name is absent
     │   ├── MissingShardError                a TP/PP/EP shard is missing
     │   ├── GeometryError                    head counts, TP size and shapes do not fit
-    │   └── UnknownModuleError               a module name no rule translates
+    │   ├── UnknownModuleError               a module name no rule translates
+    │   └── InexactExportError               valid state no PEFT LoRA reproduces (DoRA, ...)
     ├── ConfigError (ValueError)             bad options or configuration
     ├── InvalidNameError (ValueError)        adapter names/versions unsafe as paths or ids
     ├── RegistryError                        engine registry problems
@@ -73,6 +74,7 @@ __all__ = [
     "ExportError",
     "GeometryError",
     "IncompatibleAdapterError",
+    "InexactExportError",
     "InvalidKeyError",
     "InvalidNameError",
     "LoraNotEnabledError",
@@ -177,6 +179,11 @@ class GeometryError(ExportError):
 
 class UnknownModuleError(ExportError):
     """A trainer module name that no translation rule covers."""
+
+
+class InexactExportError(ExportError):
+    """The trainer state is valid but computes something no PEFT LoRA adapter reproduces exactly
+    (DoRA magnitudes, Megatron's expert fc2 at expert-TP > 1); refused rather than approximated."""
 
 
 # -- configuration, names, registry ----------------------------------------------------------

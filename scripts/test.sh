@@ -11,6 +11,10 @@ export LORASYNC_VLLM_PYTHON
 # as failing SGLang tests (LORASYNC_REQUIRE_SGLANG=1 in CI) instead of aborting here.
 LORASYNC_SGLANG_PYTHON="$(bash scripts/sglang-venv.sh | tail -n 1)" || LORASYNC_SGLANG_PYTHON=""
 export LORASYNC_SGLANG_PYTHON
+# Real Megatron-Core + Megatron-Bridge (Python 3.12) for the Megatron exporter's real-peer suite;
+# a failed build shows up as failing peer tests (LORASYNC_REQUIRE_MEGATRON=1 in CI).
+LORASYNC_MEGATRON_PYTHON="$(bash scripts/megatron-venv.sh | tail -n 1)" || LORASYNC_MEGATRON_PYTHON=""
+export LORASYNC_MEGATRON_PYTHON
 set +e
 .venv/bin/python -m pytest "$@"
 rc=$?

@@ -60,7 +60,10 @@ def _one_layout(dist, rank: int, world: int, layout: dict, out_dir: str) -> None
     tp, pp, ep = layout["tp"], layout["pp"], layout.get("ep", 1)
     (p, t, e), groups = _groups(dist, rank, world, tp, pp, ep)
     cfg = layout["config"]
-    peft = make_peft(cfg, r=layout["r"], seed=21, same_experts=layout.get("experts") == "shared")
+    peft = make_peft(
+        cfg, r=layout["r"], seed=21, same_experts=layout.get("experts") == "shared",
+        expert_down=layout.get("expert_down", True),
+    )
     shards = build_shards(
         peft, cfg, tp=tp, pp=pp, ep=ep, experts=layout.get("experts", "sequential"), max_rank=layout.get("max_rank")
     )

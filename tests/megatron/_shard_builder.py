@@ -77,11 +77,19 @@ class Geo:
 
 
 def make_peft(
-    cfg: dict[str, Any], *, r: int, seed: int, shared_a: bool = True, router: bool = True, same_experts: bool = False
+    cfg: dict[str, Any],
+    *,
+    r: int,
+    seed: int,
+    shared_a: bool = True,
+    router: bool = True,
+    same_experts: bool = False,
+    expert_down: bool = True,
 ) -> dict[str, torch.Tensor]:
     """A random PEFT adapter for ``cfg``. ``shared_a`` gives q/k/v and gate/up one lora_A (what
     fused Megatron LoRA can express); ``same_experts`` makes every expert identical (what a
-    shared grouped-GEMM adapter can express)."""
+    shared grouped-GEMM adapter can express); ``expert_down=False`` leaves the experts' down_proj
+    out (what can be exported at expert-TP > 1)."""
     g = Geo.of(cfg)
     gen = torch.Generator().manual_seed(seed)
 
@@ -113,7 +121,8 @@ def make_peft(
                     first = first or tensors
                 put(p + f"mlp.experts.{e}.gate_proj", tensors[0], tensors[1])
                 put(p + f"mlp.experts.{e}.up_proj", tensors[2], tensors[3])
-                put(p + f"mlp.experts.{e}.down_proj", tensors[4], tensors[5])
+                if expert_down:
+                    put(p + f"mlp.experts.{e}.down_proj", tensors[4], tensors[5])
             if router:
                 put(p + "mlp.gate", rnd(r, g.hidden), rnd(g.experts, r))
         else:
@@ -170,13 +179,18 @@ def build_shards(
     slot: int | None = None,
     prefix: str = "",
     noise: bool = True,
+    dora: bool = False,
 ) -> dict[tuple[int, ...], dict[str, torch.Tensor]]:
     """Megatron-Bridge shards of ``peft``: keys ``(pp, tp)`` or, with ``ep > 1``, ``(pp, tp, ep)``.
 
     ``experts``: ``"sequential"`` (``local_experts.{e}``), ``"grouped"`` (packed 3-D per-expert
     adapters) or ``"shared"`` (one 2-D grouped-GEMM adapter, every expert identical).
     ``max_rank`` zero-pads every adapter to a MultiLoRA slot's rank; ``slot`` names the adapters
-    ``adapters.{slot}`` and adds a decoy slot ``slot + 1`` of random values.
+    ``adapters.{slot}`` and adds a decoy slot ``slot + 1`` of random values. With
+    ``lora_type="canonical_lora"`` sequential experts get ``adapter_gate``/``adapter_up`` like a
+    dense fc1, grouped ones stay fused (what Megatron-Bridge's CanonicalLoRA builds). The router's
+    adapter is column-parallel (A ``[r/TP, hidden]``, B ``[E/TP, r]`` per rank). ``dora`` adds a
+    random ``weight_magnitude`` next to every adapter (Megatron-Bridge DoRA).
     """
     g = Geo.of(cfg)
     if max_rank is not None:
@@ -201,6 +215,8 @@ def build_shards(
                     base = f"{prefix}decoder.layers.{local}.{path}.{container}{sub}"
                     sd[f"{base}.linear_in.weight"] = a
                     sd[f"{base}.linear_out.weight"] = b
+                    if dora:
+                        sd[f"{base}.weight_magnitude"] = torch.rand(b.shape[-2]) + 0.5
                     if slot is not None:  # a decoy slot the exporter must not pick up
                         decoy = f"{prefix}decoder.layers.{local}.{path}.adapters.{slot + 1}{sub}"
                         sd[f"{decoy}.linear_in.weight"] = torch.randn_like(a)
@@ -242,23 +258,32 @@ def build_shards(
                         tuple(p + f"mlp.experts.{E}.{proj}" for proj in ("gate_proj", "up_proj", "down_proj"))
                         for E in range(g.experts)
                     ]
+                    has_down = f"{PREFIX}{ex[0][2]}.lora_A.weight" in peft
                     if experts == "sequential":
                         for i, E in enumerate(mine):
-                            emit(local, f"mlp.experts.local_experts.{i}.linear_fc1", *fc1(ex[E][0], ex[E][1]))
-                            emit(local, f"mlp.experts.local_experts.{i}.linear_fc2", *row(ex[E][2]))
+                            fc1_path = f"mlp.experts.local_experts.{i}.linear_fc1"
+                            if lora_type == "lora":
+                                emit(local, fc1_path, *fc1(ex[E][0], ex[E][1]))
+                            else:
+                                emit(local, fc1_path, *column(ex[E][0]), sub=".adapter_gate")
+                                emit(local, fc1_path, *column(ex[E][1]), sub=".adapter_up")
+                            if has_down:
+                                emit(local, f"mlp.experts.local_experts.{i}.linear_fc2", *row(ex[E][2]))
                     elif experts == "grouped":
                         fc1s = [fc1(ex[E][0], ex[E][1]) for E in mine]
-                        fc2s = [row(ex[E][2]) for E in mine]
                         emit(local, "mlp.experts.linear_fc1", torch.stack([a for a, _ in fc1s]), torch.stack([b for _, b in fc1s]))
-                        emit(local, "mlp.experts.linear_fc2", torch.stack([a for a, _ in fc2s]), torch.stack([b for _, b in fc2s]))
+                        if has_down:
+                            fc2s = [row(ex[E][2]) for E in mine]
+                            emit(local, "mlp.experts.linear_fc2", torch.stack([a for a, _ in fc2s]), torch.stack([b for _, b in fc2s]))
                     else:
                         for E in range(g.experts):
-                            for m in range(3):
+                            for m in range(3 if has_down else 2):
                                 assert torch.equal(A(ex[E][m]), A(ex[0][m])) and torch.equal(B(ex[E][m]), B(ex[0][m]))
                         emit(local, "mlp.experts.linear_fc1", *fc1(ex[0][0], ex[0][1]))
-                        emit(local, "mlp.experts.linear_fc2", *row(ex[0][2]))
+                        if has_down:
+                            emit(local, "mlp.experts.linear_fc2", *row(ex[0][2]))
                     if f"{PREFIX}{p}mlp.gate.lora_A.weight" in peft:
-                        emit(local, "mlp.router", A(p + "mlp.gate").clone(), B(p + "mlp.gate").clone())
+                        emit(local, "mlp.router", *column(p + "mlp.gate"))
                 if noise:  # base weights and TE extra state live in the same state dict
                     sd[f"{prefix}decoder.layers.0.self_attention.linear_qkv.to_wrap.weight"] = torch.zeros(2, 2)
                     sd[f"{prefix}decoder.layers.0.self_attention.linear_qkv.adapter.linear_in._extra_state"] = torch.zeros(0)

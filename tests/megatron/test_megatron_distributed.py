@@ -24,8 +24,10 @@ LAYOUTS = {
     # then two faulty calls in the same processes: a tensor missing on rank 1, trained padding on rank 0.
     "tp2-pp2": {"tp": 2, "pp": 2, "config": config(layers=4), "r": 5, "max_rank": 8, "rank": 5, "dst": 3,
                 "faults": ["missing", "padding"]},
-    # TP2 x EP2 with packed per-expert adapters (EP all-gather) and a router
-    "tp2-ep2-moe": {"tp": 2, "pp": 1, "ep": 2, "experts": "grouped", "config": config(experts=4), "r": 8, "dst": 0},
+    # TP2 x EP2 with packed per-expert adapters (EP all-gather) and a column-parallel router; expert
+    # down_proj left out (refused at expert-TP 2)
+    "tp2-ep2-moe": {"tp": 2, "pp": 1, "ep": 2, "experts": "grouped", "config": config(experts=4), "r": 8, "dst": 0,
+                    "expert_down": False},
 }
 
 
@@ -60,7 +62,10 @@ def online(tmp_path_factory):
 
 def _offline(layout: dict):
     cfg = layout["config"]
-    peft = make_peft(cfg, r=layout["r"], seed=21, same_experts=layout.get("experts") == "shared")
+    peft = make_peft(
+        cfg, r=layout["r"], seed=21, same_experts=layout.get("experts") == "shared",
+        expert_down=layout.get("expert_down", True),
+    )
     shards = build_shards(
         peft, cfg, tp=layout["tp"], pp=layout["pp"], ep=layout.get("ep", 1),
         experts=layout.get("experts", "sequential"), max_rank=layout.get("max_rank"),

@@ -10,6 +10,7 @@ from lorasync.errors import (
     ConfigError,
     ExportError,
     GeometryError,
+    InexactExportError,
     MissingShardError,
     PaddedRankError,
     UnknownAdapterNameError,
@@ -205,3 +206,25 @@ def test_moe_models_with_other_expert_names_are_refused():
     del mixtral["num_experts"]
     with pytest.raises(UnknownModuleError, match="mixtral"):
         export(shards, base_config=mixtral, alpha=8)
+
+
+@pytest.mark.parametrize("experts", ["sequential", "grouped", "shared"])
+def test_expert_fc2_at_expert_tp2_is_refused(experts):
+    # Megatron's expert row-parallel path computes TP*s*blockdiag(B_t A_t) there: not a LoRA
+    cfg = config(experts=4)
+    peft = make_peft(cfg, r=8, seed=0, same_experts=experts == "shared")
+    shards = build_shards(peft, cfg, tp=2, ep=2, experts=experts)
+    with pytest.raises(InexactExportError, match=r"expert linear_fc2 .* expert-TP=2 .*expert_tensor_parallel_size=1"):
+        export(shards, base_config=cfg, alpha=8)
+
+
+@pytest.mark.parametrize(("tp", "slot"), [(1, None), (2, None), (2, 1)])
+def test_dora_magnitudes_are_refused_never_dropped(tp, slot):
+    cfg = config()
+    shards = build_shards(make_peft(cfg, r=8, seed=0), cfg, tp=tp, slot=slot, dora=True)
+    assert any(name.endswith(".weight_magnitude") for name in shards[(0, 0)])
+    with pytest.raises(InexactExportError, match=r"weight_magnitude.*DoRA.*train with LoRA"):
+        export(shards, base_config=cfg, alpha=8, slot=slot)
+    # only the magnitudes make it DoRA: the same shards without them export
+    plain = {k: {n: t for n, t in sd.items() if not n.endswith("weight_magnitude")} for k, sd in shards.items()}
+    assert export(plain, base_config=cfg, alpha=8, slot=slot).config.r == 8

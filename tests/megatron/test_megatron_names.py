@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from lorasync.errors import GeometryError, UnknownModuleError
-from lorasync.exporters._megatron_layout import stage_offsets
-from lorasync.exporters._megatron_names import hf_modules, parse_name
+from lorasync.exporters.megatron._layout import stage_offsets
+from lorasync.exporters.megatron._names import hf_modules, parse_name
 from lorasync.exporters.megatron import RULES, megatron_name
 
 # (Megatron name with global layer, lora_type, experts layout, ep_rank) -> expected HF modules

@@ -10,8 +10,10 @@ from _shard_builder import build_shards, config, make_peft
 from lorasync.exporters.megatron import ShardKey, export
 
 
-def _roundtrip(cfg, *, r=8, rank=None, lora_type="lora", experts="sequential", **layout):
-    peft = make_peft(cfg, r=r, seed=7, shared_a=lora_type == "lora", same_experts=experts == "shared")
+def _roundtrip(cfg, *, r=8, rank=None, lora_type="lora", experts="sequential", expert_down=True, **layout):
+    peft = make_peft(
+        cfg, r=r, seed=7, shared_a=lora_type == "lora", same_experts=experts == "shared", expert_down=expert_down
+    )
     shards = build_shards(peft, cfg, lora_type=lora_type, experts=experts, **layout)
     adapter = export(shards, base_config=cfg, alpha=16, rank=rank, lora_type=lora_type, slot=layout.get("slot"))
     assert sorted(adapter.tensors) == sorted(peft)
@@ -57,14 +59,36 @@ def test_multilora_slot_is_selected_and_trimmed():
     _roundtrip(config(), r=3, rank=3, max_rank=4, tp=2, slot=2)
 
 
+def test_multilora_slot_on_packed_experts_is_selected_and_trimmed():
+    # Megatron-Bridge's MultiLoRAGroupedExpertLinear: adapters.{i} of [n_local, r_max, in] / [n_local, out, r_max],
+    # zeroed beyond the slot's rank; expert-TP 1 only (it refuses expert TP itself)
+    _roundtrip(config(experts=4), r=3, rank=3, max_rank=4, tp=1, ep=2, slot=1, experts="grouped")
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 def test_canonical_lora(tp):
     _roundtrip(config(), lora_type="canonical_lora", tp=tp, pp=2)
 
 
 def test_moe_sequential_experts_renumbered_by_ep_rank():
-    adapter = _roundtrip(config(experts=4), tp=2, ep=2, experts="sequential")
+    adapter = _roundtrip(config(experts=4), tp=1, ep=2, experts="sequential")
     assert "base_model.model.model.layers.1.mlp.experts.3.down_proj.lora_B.weight" in adapter.tensors
+
+
+@pytest.mark.parametrize("experts", ["sequential", "grouped", "shared"])
+def test_moe_expert_fc1_at_expert_tp2(experts):
+    # expert-TP 2 gathers fc1 exactly; expert fc2 there is refused (test_megatron_errors)
+    adapter = _roundtrip(config(experts=4), tp=2, ep=2, experts=experts, expert_down=False)
+    assert "base_model.model.model.layers.1.mlp.experts.3.up_proj.lora_B.weight" in adapter.tensors
+
+
+@pytest.mark.parametrize(("tp", "ep"), [(1, 1), (1, 2), (2, 2)])
+def test_canonical_lora_on_sequential_experts(tp, ep):
+    # CanonicalLoRA gives each SequentialMLP expert's fc1 adapter_gate / adapter_up
+    adapter = _roundtrip(
+        config(experts=4), lora_type="canonical_lora", tp=tp, ep=ep, experts="sequential", expert_down=tp == 1
+    )
+    assert "base_model.model.model.layers.0.mlp.experts.2.gate_proj.lora_A.weight" in adapter.tensors
 
 
 def test_moe_sequential_experts_with_pp():
@@ -72,7 +96,7 @@ def test_moe_sequential_experts_with_pp():
 
 
 def test_moe_grouped_shared_adapter_emitted_per_expert():
-    adapter = _roundtrip(config(experts=4), tp=2, ep=2, experts="shared")
+    adapter = _roundtrip(config(experts=4), tp=2, ep=2, experts="shared", expert_down=False)
     a0 = adapter.tensors["base_model.model.model.layers.0.mlp.experts.0.gate_proj.lora_A.weight"]
     a3 = adapter.tensors["base_model.model.model.layers.0.mlp.experts.3.gate_proj.lora_A.weight"]
     assert torch.equal(a0, a3) and a0.data_ptr() != a3.data_ptr()  # copies, so safetensors can save them
@@ -80,17 +104,23 @@ def test_moe_grouped_shared_adapter_emitted_per_expert():
 
 @pytest.mark.parametrize(("tp", "ep"), [(1, 2), (2, 2), (2, 1)])
 def test_moe_grouped_per_expert_3d(tp, ep):
-    _roundtrip(config(experts=4, layers=2), tp=tp, ep=ep, pp=2, experts="grouped")
+    _roundtrip(config(experts=4, layers=2), tp=tp, ep=ep, pp=2, experts="grouped", expert_down=tp == 1)
 
 
 def test_moe_packed_experts_padding_trimmed():
-    _roundtrip(config(experts=4), r=6, rank=6, max_rank=8, tp=2, ep=2, experts="grouped")
+    _roundtrip(config(experts=4), r=6, rank=6, max_rank=8, tp=2, ep=2, experts="grouped", expert_down=False)
 
 
-def test_router_adapter_becomes_mlp_gate():
-    adapter = _roundtrip(config(experts=4), tp=2, experts="sequential")
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_router_adapter_becomes_mlp_gate(tp):
+    # Megatron-Bridge shards the router adapter column-wise: A [r/TP, hidden], B [E/TP, r] per rank
+    cfg = config(experts=4)
+    adapter = _roundtrip(cfg, tp=tp, experts="sequential", expert_down=tp == 1)
     a, b = adapter.pair("model.layers.0.mlp.gate")
     assert a.shape == (8, 32) and b.shape == (4, 8)
+    shard = build_shards(make_peft(cfg, r=8, seed=7), cfg, tp=tp)[(0, tp - 1)]
+    assert shard["decoder.layers.0.mlp.router.adapter.linear_in.weight"].shape == (8 // tp, 32)
+    assert shard["decoder.layers.0.mlp.router.adapter.linear_out.weight"].shape == (4 // tp, 8)
 
 
 def test_shard_key_forms_are_equivalent():

@@ -43,7 +43,7 @@ def test_exporter_fuzz_soak(kind, strategy, check):
 
 def test_fuzz_catches_a_silently_wrong_exporter(monkeypatch):
     # The property has teeth: a k/v swap in the QKV split is found.
-    import lorasync.exporters._megatron_convert as convert
+    import lorasync.exporters.megatron._convert as convert
 
     split = convert.split_qkv
     monkeypatch.setattr(convert, "split_qkv", lambda b, g: (lambda q, k, v: (q, v, k))(*split(b, g)))

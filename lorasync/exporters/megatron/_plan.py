@@ -15,9 +15,16 @@ from typing import Any, Literal
 
 import torch
 
-from lorasync.errors import ConfigError, GeometryError, MissingShardError, UnknownAdapterNameError, UnknownModuleError
-from lorasync.exporters._megatron_layout import Geometry, factor_dims, stage_offsets
-from lorasync.exporters._megatron_names import MOE_MODEL_TYPES, RULES, ModuleRule, Side, hf_modules, parse_name
+from lorasync.errors import (
+    ConfigError,
+    GeometryError,
+    InexactExportError,
+    MissingShardError,
+    UnknownAdapterNameError,
+    UnknownModuleError,
+)
+from lorasync.exporters.megatron._layout import Geometry, factor_dims, stage_offsets
+from lorasync.exporters.megatron._names import MOE_MODEL_TYPES, RULES, ModuleRule, Side, hf_modules, parse_name
 
 __all__ = ["LORA_TYPES", "FactorPlan", "Grid", "ModulePlan", "ShardKey", "build_plan"]
 
@@ -176,6 +183,7 @@ def build_plan(
 
     Raises:
         ConfigError, UnknownAdapterNameError, UnknownModuleError, MissingShardError, GeometryError.
+        InexactExportError: DoRA magnitudes, or expert linear_fc2 adapters at expert-TP > 1.
     """
     if lora_type not in LORA_TYPES:
         raise ConfigError(f"lora_type must be one of {LORA_TYPES}, got {lora_type!r}")
@@ -274,14 +282,15 @@ def _check_name(name: str, rule: ModuleRule, sub: str | None, geometry: Geometry
         raise UnknownModuleError(
             f"{name!r}: HF model type {geometry.model_type!r} names its MoE modules differently from "
             f"{sorted(MOE_MODEL_TYPES)} ('mlp.experts.{{E}}.gate_proj', 'mlp.gate'); exclude expert "
-            "and router adapters or extend lorasync.exporters._megatron_names",
+            "and router adapters or extend lorasync.exporters.megatron._names",
             key=name,
         )
 
 
 def _label(layer: int, rule: ModuleRule, expert: int | None, sub: str | None) -> str:
     tail = f"[expert {expert}]" if expert is not None else ""
-    return f"decoder.layers.{layer}.{rule.megatron}{tail}.adapter{f'.{sub}' if sub else ''}"
+    path = rule.megatron.replace("{e}", "*")  # the local index differs per EP rank; the tail names the expert
+    return f"decoder.layers.{layer}.{path}{tail}.adapter{f'.{sub}' if sub else ''}"
 
 
 def _global_expert(local: int | None, ep: int, grid: Grid, geometry: Geometry, name: str) -> int:
@@ -346,6 +355,17 @@ def _factor(key: tuple[Any, ...], entry: Mapping[str, Any], grid: Grid) -> Facto
 
 def _check_module(plan: ModulePlan, grid: Grid, geometry: Geometry) -> None:
     a, b, rule, tp = plan.a, plan.b, plan.rule, grid.tp
+    if rule.experts and rule.parallel == "row" and tp > 1:
+        # Measured on Megatron-Core 0.19 / Megatron-Bridge 0.6: the expert row-parallel path skips
+        # the all-reduce between linear_in and linear_out, so each rank's B_t·A_t only sees its own
+        # input slice and the layer computes TP·s·blockdiag(B_t·A_t), not s·B·A.
+        raise InexactExportError(
+            f"{plan.label}: an expert linear_fc2 LoRA trained at expert-TP={tp} is not a standard "
+            f"LoRA (Megatron computes {tp}·scale·blockdiag(B_t·A_t) because its expert row-parallel "
+            "path skips the all-reduce between A and B), so no PEFT adapter of this rank reproduces "
+            "it; train expert linear_fc2 adapters at expert_tensor_parallel_size=1, or leave them out "
+            "of the LoRA targets"
+        )
     if a.stage != b.stage:
         raise GeometryError(f"{plan.label}: linear_in and linear_out come from different pipeline stages")
     if len(a.full_shape) != len(b.full_shape):

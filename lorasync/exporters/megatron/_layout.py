@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from lorasync.errors import ConfigError, GeometryError, StorageError
-from lorasync.exporters._megatron_names import ModuleRule
+from lorasync.exporters.megatron._names import ModuleRule
 
 __all__ = ["Geometry", "factor_dims", "split_fc1", "split_qkv", "stage_offsets"]
 

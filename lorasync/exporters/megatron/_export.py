@@ -1,22 +1,5 @@
-"""Export a Megatron-Bridge LoRA adapter (LoRA, CanonicalLoRA, MultiLoRA slots, MoE experts)
-to a PEFT :class:`~lorasync.Adapter`.
-
-Offline, :func:`export` takes every rank's adapter state dict at once, keyed by
-:class:`ShardKey` (or a ``(pp, tp[, ep[, vp]])`` tuple). Online, :func:`export_distributed`
-does the same inside a running job: every rank calls it with its own state dict and process
-groups, tensors are gathered one module at a time to ``dst``, and only ``dst`` gets the Adapter.
-
-What the export does, in order (trainer-formats.md §1-3, §6):
-
-1. names → modules through one rule table (``_megatron_names.RULES``), whose inverse
-   :func:`megatron_name` is derived from it; stage-local layer numbers become global ones;
-2. TP gather: column-parallel A on the rank axis, row-parallel A on its input axis, B on its
-   output axis; packed ``[n_local, ...]`` expert adapters are also concatenated over EP;
-3. max-rank padding is trimmed (and proven zero) when ``rank`` is given;
-4. fused tensors are split: QKV de-interleaved per query group, fc1 split per TP rank into
-   gate/up; the shared A is copied to every projection; grouped experts get one copy each;
-5. ``r`` = rank, ``lora_alpha`` = alpha, ``use_rslora`` = False.
-"""
+"""The offline Megatron export: every rank's state dict at once, gathered in memory (see the
+package docstring for the steps)."""
 
 from __future__ import annotations
 
@@ -27,13 +10,12 @@ import torch
 
 from lorasync._adapter import Adapter
 from lorasync.errors import ConfigError, ExportError
-from lorasync.exporters._megatron_convert import build_adapter, convert_module
-from lorasync.exporters._megatron_dist import export_distributed
-from lorasync.exporters._megatron_layout import Geometry
-from lorasync.exporters._megatron_names import RULES, MegatronRef, is_adapter_name, megatron_name
-from lorasync.exporters._megatron_plan import FactorPlan, Grid, ShardKey, ShardMeta, build_plan
+from lorasync.exporters.megatron._convert import build_adapter, convert_module
+from lorasync.exporters.megatron._layout import Geometry
+from lorasync.exporters.megatron._names import is_adapter_name
+from lorasync.exporters.megatron._plan import FactorPlan, Grid, ShardKey, ShardMeta, build_plan
 
-__all__ = ["RULES", "MegatronRef", "ShardKey", "export", "export_distributed", "megatron_name"]
+__all__ = ["export"]
 
 
 def export(
@@ -81,6 +63,8 @@ def export(
         GeometryError: shapes, TP size, head counts or layer numbering do not fit the base model.
         UnknownModuleError: an adapter on a module no rule translates.
         PaddedRankError: padding beyond ``rank`` holds trained values.
+        InexactExportError: DoRA magnitudes, or expert linear_fc2 adapters at expert-TP > 1
+            (state that no PEFT LoRA adapter reproduces; refused, never approximated).
         ConfigError, UnknownAdapterNameError: bad options, absent slot or no adapter at all.
 
     Example:

@@ -16,8 +16,8 @@ from lorasync._adapter import Adapter
 from lorasync._config import AdapterConfig
 from lorasync._keys import peft_key
 from lorasync.errors import GeometryError
-from lorasync.exporters._megatron_layout import Geometry, split_fc1, split_qkv
-from lorasync.exporters._megatron_plan import ModulePlan
+from lorasync.exporters.megatron._layout import Geometry, split_fc1, split_qkv
+from lorasync.exporters.megatron._plan import ModulePlan
 from lorasync.exporters._rank import trim_tensor
 
 __all__ = ["build_adapter", "convert_module"]

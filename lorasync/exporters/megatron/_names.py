@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-from lorasync.errors import ConfigError, UnknownModuleError
+from lorasync.errors import ConfigError, InexactExportError, UnknownModuleError
 
 __all__ = [
     "MOE_MODEL_TYPES",
@@ -32,6 +32,7 @@ __all__ = [
 ]
 
 Side = Literal["A", "B"]
+DORA_MAGNITUDE = "weight_magnitude"  # ParallelLinearDoRAAdapter's extra parameter
 Parallel = Literal["column", "row", "replicated"]
 
 
@@ -66,10 +67,17 @@ RULES: tuple[ModuleRule, ...] = (
     # Grouped GEMM (TEGroupedMLP): one adapter per layer, 2-D shared or 3-D [n_local, ...].
     ModuleRule("mlp.experts.linear_fc1", _EXPERT_GATE_UP, "column", "fc1", experts="grouped"),
     ModuleRule("mlp.experts.linear_fc2", ("mlp.experts.{E}.down_proj",), "row", experts="grouped"),
-    # SequentialMLP: one adapter per local expert, numbered per EP rank.
-    ModuleRule("mlp.experts.local_experts.{e}.linear_fc1", _EXPERT_GATE_UP, "column", "fc1", experts="sequential"),
+    # SequentialMLP: one adapter per local expert, numbered per EP rank; CanonicalLoRA splits its
+    # fc1 into adapter_gate/adapter_up like a dense fc1 (it keeps only grouped fc1 fused).
+    ModuleRule(
+        "mlp.experts.local_experts.{e}.linear_fc1", _EXPERT_GATE_UP, "column", "fc1",
+        ("adapter_gate", "adapter_up"), experts="sequential",
+    ),
     ModuleRule("mlp.experts.local_experts.{e}.linear_fc2", ("mlp.experts.{E}.down_proj",), "row", experts="sequential"),
-    ModuleRule("mlp.router", ("mlp.gate",), "replicated"),
+    # The router's weight is replicated, but Megatron-Bridge builds its adapter from two
+    # column-parallel linears with gathered outputs (peft/utils.py: input_is_parallel=False for
+    # TopKRouter): A is [r/TP, hidden] and B [E/TP, r] on each TP rank, so it gathers as column.
+    ModuleRule("mlp.router", ("mlp.gate",), "column"),
 )
 
 # HF model types whose MoE blocks use the names above (``mlp.experts.{E}.gate_proj``, ``mlp.gate``).
@@ -109,10 +117,19 @@ def _strip(name: str) -> str:
 
 
 def is_adapter_name(name: str) -> bool:
-    """True for names that belong to a LoRA adapter (``.adapter.`` / ``.adapters.`` segments),
-    False for base weights (``.to_wrap.weight``), embeddings and TE ``_extra_state`` entries."""
+    """True for names that belong to a LoRA adapter (``.adapter.`` / ``.adapters.`` segments:
+    factor weights and DoRA's ``weight_magnitude``), False for base weights (``.to_wrap.weight``),
+    embeddings and TE ``_extra_state`` entries."""
     parts = _strip(name).split(".")
-    return parts[-1] == "weight" and ("adapter" in parts or "adapters" in parts)
+    return parts[-1] in ("weight", DORA_MAGNITUDE) and ("adapter" in parts or "adapters" in parts)
+
+
+def _refuse_dora(name: str) -> None:
+    raise InexactExportError(
+        f"{name!r} is a DoRA magnitude (Megatron-Bridge DoRA): lorasync exports plain LoRA, and "
+        "dropping the magnitudes would serve a different model (vLLM and SGLang do not serve DoRA "
+        "either); train with LoRA or CanonicalLoRA, or merge the DoRA adapter into the base weights"
+    )
 
 
 def parse_name(name: str) -> MegatronName | None:
@@ -127,10 +144,13 @@ def parse_name(name: str) -> MegatronName | None:
 
     Raises:
         UnknownModuleError: an adapter weight whose module no rule translates.
+        InexactExportError: a DoRA magnitude (DoRA is refused, never exported as plain LoRA).
     """
     if not is_adapter_name(name):
         return None
     stripped = _strip(name)
+    if stripped.endswith("." + DORA_MAGNITUDE):
+        _refuse_dora(name)
     match = _NAME.match(stripped)
     if match is None:
         raise UnknownModuleError(
@@ -161,7 +181,7 @@ def parse_name(name: str) -> MegatronName | None:
     known = ", ".join(rule.megatron for rule in RULES)
     raise UnknownModuleError(
         f"{name!r}: no rule translates module {match['path']!r} to an HF module (known: {known}); "
-        "exclude it from the LoRA targets or extend lorasync.exporters._megatron_names.RULES",
+        "exclude it from the LoRA targets or extend lorasync.exporters.megatron._names.RULES",
         key=name,
     )
 

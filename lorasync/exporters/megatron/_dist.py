@@ -20,10 +20,10 @@ import torch
 
 from lorasync._adapter import Adapter
 from lorasync.errors import ConfigError, ExportError, LoraSyncError
-from lorasync.exporters._megatron_convert import Pair, build_adapter, convert_module
-from lorasync.exporters._megatron_layout import Geometry
-from lorasync.exporters._megatron_names import is_adapter_name
-from lorasync.exporters._megatron_plan import FactorPlan, Grid, ShardKey, build_plan
+from lorasync.exporters.megatron._convert import Pair, build_adapter, convert_module
+from lorasync.exporters.megatron._layout import Geometry
+from lorasync.exporters.megatron._names import is_adapter_name
+from lorasync.exporters.megatron._plan import FactorPlan, Grid, ShardKey, build_plan
 
 __all__ = ["export_distributed"]
 

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Build (or reuse) a Python 3.12 venv with the real Megatron-Core + Megatron-Bridge, the peer the
+# Megatron exporter's real-peer tests (tests/megatron/peers/) run against. Cached outside the repo
+# like the engine venvs; prints the venv's python path on its last line.
+#
+#   scripts/megatron-venv.sh            # build or reuse
+#   LORASYNC_ENGINE_CACHE=/path scripts/megatron-venv.sh
+#
+# Facts this relies on: megatron-core >= 0.17 requires Python >= 3.12 (pyenv's 3.12 is used when
+# there is no python3.12 on PATH); Megatron-Bridge's own dependency list pulls GPU-only and
+# logging packages (flashinfer, wandb, mlflow, ...) that the LoRA code never imports, so it is
+# installed with --no-deps and only what `megatron.bridge.peft` and `AutoBridge` import is added;
+# Megatron-Bridge pins transformers <= 5.12.1. torch for cp312 comes from PyPI (its CUDA wheel
+# also runs on CPU).
+set -euo pipefail
+MCORE_VERSION="${LORASYNC_MCORE_VERSION:-0.19.2}"
+BRIDGE_VERSION="${LORASYNC_BRIDGE_VERSION:-0.6.2}"
+TORCH_VERSION="${LORASYNC_MEGATRON_TORCH:-2.13.0}"
+cache="${LORASYNC_ENGINE_CACHE:-$HOME/.cache/lorasync}"
+venv="$cache/megatron-$MCORE_VERSION-bridge-$BRIDGE_VERSION"
+py="$venv/bin/python"
+
+# `import megatron.bridge` itself needs transformer_engine, which the tests stand in for
+# (tests/megatron/peers/cpu_standins.py), so only its presence is checked here.
+check='import importlib.util, megatron.core, transformers, peft, torch; assert importlib.util.find_spec("megatron.bridge")'
+if [ -f "$venv/.ready" ] && "$py" -c "$check" >/dev/null 2>&1; then
+  echo "$py"
+  exit 0
+fi
+
+base=""
+for candidate in python3.12 "$HOME/.pyenv/versions/3.12"*/bin/python3.12; do
+  if command -v "$candidate" >/dev/null 2>&1 && "$candidate" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then
+    base="$candidate"
+    break
+  fi
+done
+if [ -z "$base" ]; then
+  echo "megatron-venv: no Python 3.12 found (megatron-core >= 0.17 needs it)" >&2
+  exit 1
+fi
+
+echo "building Megatron venv at $venv with $base" >&2
+rm -rf "$venv"
+mkdir -p "$cache"
+"$base" -m venv "$venv"
+pipq() { "$py" -m pip install -q "$@" 2>&1 | grep -v "is ignored" >&2 || true; }
+pipq --upgrade pip
+pipq "torch==$TORCH_VERSION"
+pipq "megatron-core==$MCORE_VERSION" "torch==$TORCH_VERSION"
+pipq --no-deps "megatron-bridge==$BRIDGE_VERSION"
+# What megatron.bridge's model conversion and PEFT modules import (not its training extras).
+pipq "torch==$TORCH_VERSION" "transformers>=5.8,<=5.12.1" "peft>=0.18.1" accelerate einops omegaconf \
+  "hydra-core>=1.3.4,<1.4" pyyaml tqdm rich regex six safetensors tenacity typing-extensions
+"$py" -c "$check; print('megatron-core', megatron.core.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__, 'torch', torch.__version__)" >&2
+touch "$venv/.ready"
+echo "$py"
