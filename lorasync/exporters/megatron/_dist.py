@@ -12,13 +12,13 @@ gathered factor per rank; ``dst`` also holds the growing Adapter. Errors that ne
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from lorasync._adapter import Adapter
+from lorasync._collectives import all_gather_json, collective_device
 from lorasync.errors import ConfigError, ExportError, LoraSyncError
 from lorasync.exporters.megatron._convert import Pair, build_adapter, convert_module
 from lorasync.exporters.megatron._layout import Geometry
@@ -74,7 +74,7 @@ def export_distributed(
     if not (dist.is_available() and dist.is_initialized()):
         raise ConfigError("export_distributed needs an initialised torch.distributed process group")
     chunks = [local_state_dict] if isinstance(local_state_dict, Mapping) else list(local_state_dict)
-    device = _device(dist)
+    device = collective_device(dist)
     me: Coord = (_rank(dist, pp_group), _rank(dist, tp_group), _rank(dist, ep_group))
     geometry = Geometry.from_config(base_config)
     try:
@@ -118,28 +118,6 @@ def _size(dist: Any, group: Any) -> int:
     return int(dist.get_world_size(group)) if group is not None else 1
 
 
-def _device(dist: Any) -> torch.device:
-    if "nccl" in str(dist.get_backend()).lower():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _all_gather_json(dist: Any, obj: Any, group: Any, device: torch.device) -> list[Any]:
-    if group is None or dist.get_world_size(group) == 1:
-        return [obj]
-    size = dist.get_world_size(group)
-    payload = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8).to(device)
-    length = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
-    lengths = [torch.zeros_like(length) for _ in range(size)]
-    dist.all_gather(lengths, length, group=group)
-    longest = max(int(n) for n in lengths)
-    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
-    padded[: payload.numel()] = payload
-    buffers = [torch.empty_like(padded) for _ in range(size)]
-    dist.all_gather(buffers, padded, group=group)
-    return [json.loads(b[: int(n)].cpu().numpy().tobytes().decode()) for b, n in zip(buffers, lengths)]
-
-
 def _exchange_meta(
     dist: Any, chunks: list[Mapping[str, Any]], me: Coord, device: torch.device, *groups: Any
 ) -> list[dict[str, Any]]:
@@ -155,7 +133,7 @@ def _exchange_meta(
     }
     gathered: list[Any] = [mine]
     for group in groups:
-        gathered = [item for part in _all_gather_json(dist, gathered, group, device) for item in part]
+        gathered = [item for part in (all_gather_json(dist, gathered, group, device) if group is not None else [gathered]) for item in part]  # None: axis not parallel
     return gathered
 
 

@@ -356,9 +356,8 @@ def _factor(key: tuple[Any, ...], entry: Mapping[str, Any], grid: Grid) -> Facto
 def _check_module(plan: ModulePlan, grid: Grid, geometry: Geometry) -> None:
     a, b, rule, tp = plan.a, plan.b, plan.rule, grid.tp
     if rule.experts and rule.parallel == "row" and tp > 1:
-        # Measured on Megatron-Core 0.19 / Megatron-Bridge 0.6: the expert row-parallel path skips
-        # the all-reduce between linear_in and linear_out, so each rank's B_t·A_t only sees its own
-        # input slice and the layer computes TP·s·blockdiag(B_t·A_t), not s·B·A.
+        # Measured on Megatron-Core 0.19 / Megatron-Bridge 0.6: the expert row-parallel path skips the
+        # all-reduce between linear_in and linear_out (TP·s·blockdiag(B_t·A_t), not s·B·A).
         raise InexactExportError(
             f"{plan.label}: an expert linear_fc2 LoRA trained at expert-TP={tp} is not a standard "
             f"LoRA (Megatron computes {tp}·scale·blockdiag(B_t·A_t) because its expert row-parallel "
