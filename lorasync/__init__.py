@@ -8,7 +8,8 @@ The top-level API is small on purpose: :class:`Adapter` (the canonical adapter),
 from lorasync._adapter import Adapter
 from lorasync._config import AdapterConfig
 from lorasync._probe import Probe
-from lorasync._publish import Publisher, apublish_adapter, publish_adapter
+from lorasync._api import apublish_adapter, publish_adapter
+from lorasync._publish import Publisher
 from lorasync._report import EngineResult, PublishReport
 from lorasync._retention import Retention, RetentionWarning
 from lorasync._retry import RetryPolicy

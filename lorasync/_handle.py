@@ -8,11 +8,13 @@ retire are :func:`lorasync._retention.plan`'s, the files' fate is :class:`lorasy
 from __future__ import annotations
 
 import logging
+import time
+import warnings
 
 from lorasync._files import VersionFiles
 from lorasync._names import parse_served_name, served_name
 from lorasync._probe import Probe
-from lorasync._retention import Ledger, Retention
+from lorasync._retention import Ledger, Retention, RetentionWarning, plan
 from lorasync.engines._base import Capabilities, Engine
 from lorasync.errors import AdapterNotFoundError, CapacityError, EngineError, StaleVersionError, VerificationError
 from lorasync.transports._base import Transport
@@ -132,6 +134,33 @@ class EngineHandle:
                 capacity=caps.max_loras,
             )
         return await self.unload(ledger, early)
+
+    async def retire(self, ledger: Ledger, policy: Retention, pins: frozenset[int], *, closing: bool = False) -> tuple[list[str], list[str]]:
+        """Unload the versions outside the window whose requests drained.
+
+        Returns:
+            ``(retired, deferred)`` served names.
+        """
+        decision = plan(
+            ledger,
+            policy,
+            name_of={v: served_name(self.name, v) for v in ledger.versions},
+            in_use=await self.in_use(),
+            pins=pins,
+            now=time.monotonic(),
+            closing=closing,
+            drains=self.drains,
+        )
+        for version, why in decision.forced:
+            warnings.warn(
+                f"{served_name(self.name, version)} on {self.where} was unloaded although requests still used it: "
+                f"{why}; its files stay until the engine stops reporting it. Pin versions that rollouts still "
+                "need (Publisher.pin / lease) or raise drain_timeout / max_deferred.",
+                RetentionWarning,
+                stacklevel=4,
+            )
+        retired = await self.unload(ledger, decision.unload)
+        return retired, [served_name(self.name, v) for v in decision.deferred]
 
     async def unload(self, ledger: Ledger, versions: list[int]) -> list[str]:
         """Unload ``versions`` (oldest first); returns their served names."""

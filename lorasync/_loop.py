@@ -1,4 +1,5 @@
-"""The publisher's own event loop, in a daemon thread, for sync callers.
+"""The publisher's own event loop, in a daemon thread, for sync callers; and a thread lock held
+from async code without leaking it on cancellation.
 
 ``Publisher.publish`` (sync) submits its coroutine here, so engine clients keep their connections
 (and TLS setup) from step to step, whether or not the caller's thread already runs a loop
@@ -8,11 +9,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
-from collections.abc import Coroutine
+from collections.abc import AsyncIterator, Coroutine
 from typing import Any, TypeVar
 
-__all__ = ["LoopThread"]
+__all__ = ["LoopThread", "held"]
 
 T = TypeVar("T")
 
@@ -55,3 +57,23 @@ class LoopThread:
             loop.call_soon_threadsafe(loop.stop)
             thread.join(timeout=10)
             loop.close()
+
+
+@contextlib.asynccontextmanager
+async def held(lock: threading.Lock) -> AsyncIterator[None]:
+    """Hold a thread lock from async code; a cancellation while waiting never leaves it held.
+
+    The lock is shared by sync publishes (on the publisher's loop) and async ones (on the
+    caller's loops), so it cannot be an ``asyncio.Lock``.
+    """
+    acquiring = asyncio.ensure_future(asyncio.to_thread(lock.acquire))
+    try:
+        await asyncio.shield(acquiring)
+    except asyncio.CancelledError:
+        # The worker thread may still get the lock after we stop waiting: give it back then.
+        acquiring.add_done_callback(lambda f: lock.release() if not f.cancelled() and f.exception() is None and f.result() else None)
+        raise
+    try:
+        yield
+    finally:
+        lock.release()

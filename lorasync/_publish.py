@@ -1,4 +1,4 @@
-"""Publisher and publish_adapter: deliver one adapter version to many engines, safely.
+"""Publisher: deliver one adapter version to many engines, safely, step after step.
 
 Per engine, concurrently: pre-flight (capabilities, the engine's own rules, capacity) → choose a
 transport (:mod:`lorasync._select`) → deliver → optional verify → retire versions outside the
@@ -22,7 +22,6 @@ import contextlib
 import os
 import threading
 import time
-import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -32,11 +31,11 @@ from torch import nn
 from lorasync._adapter import Adapter
 from lorasync._files import VersionFiles
 from lorasync._handle import EngineHandle
-from lorasync._loop import LoopThread
+from lorasync._loop import LoopThread, held
 from lorasync._names import served_name, validate_name, validate_version
 from lorasync._probe import Probe
 from lorasync._report import EngineResult, PublishReport
-from lorasync._retention import Ledger, Retention, RetentionWarning, plan
+from lorasync._retention import Ledger, Retention
 from lorasync._select import TRANSPORTS, choose_transport
 from lorasync.engines._base import Engine
 from lorasync.engines._registry import parse_engine_spec
@@ -48,7 +47,7 @@ from lorasync.transports.inplace import InPlaceTransport
 from lorasync.transports.ipc import IPCTransport
 from lorasync.transports.merged import DEFAULT_BUCKET_BYTES, MergedTransport
 
-__all__ = ["Publisher", "apublish_adapter", "publish_adapter"]
+__all__ = ["Publisher"]
 
 AdapterLike = Adapter | nn.Module | Mapping[str, torch.Tensor]
 
@@ -132,10 +131,6 @@ class Publisher:
         self._loop = LoopThread()
 
     @property
-    def keep(self) -> int:
-        return self.retention.keep
-
-    @property
     def run(self) -> str:
         """This publisher's run identity in the store."""
         return self.store.run
@@ -174,7 +169,7 @@ class Publisher:
         t0 = time.perf_counter()
         digest = await asyncio.to_thread(lambda: adapter.content_hash)
         timings["hash"] = time.perf_counter() - t0
-        async with _held(self._lock):
+        async with held(self._lock):
             self._disk.new_publish()
             results = await asyncio.gather(*(self._guarded(e, adapter, version, digest, probe) for e in self.engines))
             t0 = time.perf_counter()
@@ -238,23 +233,19 @@ class Publisher:
 
     async def acollect(self, *, closing: bool = False) -> dict[str, list[str]]:
         """Async twin of :meth:`collect`."""
-        retired: list[str] = []
-        deferred: list[str] = []
-        async with _held(self._lock):
-            for engine in self.engines:
+        out: dict[str, list[str]] = {"retired": [], "deferred": []}
+        async with held(self._lock):
+            for engine in self.engines if not self.in_place else ():
                 ledger = self._ledgers[id(engine)]
-                if not ledger.synced or self.in_place:
-                    continue
-                try:
-                    done, waiting = await self._retire(engine, ledger, closing=closing)
-                except LoraSyncError:
-                    continue
-                retired += done
-                deferred += waiting
+                with contextlib.suppress(LoraSyncError):
+                    if ledger.synced:
+                        done, waiting = await self._handles[id(engine)].retire(ledger, self.retention, self.pinned, closing=closing)
+                        out["retired"] += done
+                        out["deferred"] += waiting
             newest = max((v for ledger in self._ledgers.values() for v in ledger.versions), default=None)
             if newest is not None:
                 await self._collect_files(newest)
-        return {"retired": retired, "deferred": deferred}
+        return out
 
     def restore_base(self) -> None:
         """Undo merged publishes: every engine this publisher merged into gets its pristine base
@@ -281,6 +272,13 @@ class Publisher:
         for engine in self.engines:
             engine.close()
 
+    async def aclose(self) -> None:
+        """Async twin of :meth:`close`, for publishers driven with :meth:`apublish`."""
+        with contextlib.suppress(LoraSyncError):
+            await self.acollect(closing=True)
+        await _aclose_all(self.engines)
+        self._release()
+
     def _release(self) -> None:
         # Async clients opened on the publisher's loop are closed on it before it stops.
         if self._loop.running:
@@ -305,14 +303,9 @@ class Publisher:
         except LoraSyncError as exc:
             result.error = exc
         except Exception as exc:  # a bug or an untranslated foreign error: report it, typed
-            err = EngineError(
-                f"{result.engine} at {engine.url or '(in-process)'} failed unexpectedly: {type(exc).__name__}: {exc}",
-                engine=result.engine,
-                url=engine.url,
-                adapter=served_name(self.name, version),
-            )
-            err.__cause__ = exc
-            result.error = err
+            where = f"{result.engine} at {engine.url or '(in-process)'}"
+            result.error = EngineError(f"{where} failed unexpectedly: {type(exc).__name__}: {exc}", engine=result.engine, url=engine.url, adapter=served_name(self.name, version))
+            result.error.__cause__ = exc
         if result.error is not None:
             self._handles[id(engine)].forget_caps()  # re-probe next time: the engine may have restarted
             ledger.synced = False
@@ -376,162 +369,32 @@ class Publisher:
         if transport.versioned:
             t0 = time.perf_counter()
             await handle.settle(ledger, transport, version, self.retention, self.pinned)
-            done, result.deferred = await self._retire(engine, ledger)
+            done, result.deferred = await handle.retire(ledger, self.retention, self.pinned)
             result.retired += done
             result.timings["retire"] = time.perf_counter() - t0
         result.status = "loaded"
 
-    async def _retire(self, engine: Engine, ledger: Ledger, *, closing: bool = False) -> tuple[list[str], list[str]]:
-        """Unload this engine's versions outside the window whose requests drained."""
-        handle = self._handles[id(engine)]
-        in_use = await handle.in_use()
-        decision = plan(
-            ledger,
-            self.retention,
-            name_of={v: served_name(self.name, v) for v in ledger.versions},
-            in_use=in_use,
-            pins=self.pinned,
-            now=time.monotonic(),
-            closing=closing,
-            drains=handle.drains,
-        )
-        for version, why in decision.forced:
-            warnings.warn(
-                f"{served_name(self.name, version)} on {engine.kind} at {engine.url or '(in-process)'} was unloaded although "
-                f"requests still used it: {why}; its files stay until the engine stops reporting it. Pin versions that "
-                "rollouts still need (Publisher.pin / lease) or raise drain_timeout / max_deferred.",
-                RetentionWarning,
-                stacklevel=2,
-            )
-        retired = await handle.unload(ledger, decision.unload)
-        return retired, [served_name(self.name, v) for v in decision.deferred]
-
     def _engine_lists(self) -> dict[str, set[str]]:
-        return {
-            self._handles[id(e)].engine_id: {served_name(self.name, v) for v in self._ledgers[id(e)].versions}
-            for e in self.engines
-            if self._ledgers[id(e)].synced
-        }
+        ids = {id(e): self._handles[id(e)].engine_id for e in self.engines}
+        return {ids[k]: {served_name(self.name, v) for v in ledger.versions} for k, ledger in self._ledgers.items() if ledger.synced}
 
     async def _collect_files(self, current: int) -> None:
         """Delete this run's version directories nothing may read again (best effort)."""
         if self.in_place:
-            held: set[int] = {ledger.in_place[0] for ledger in self._ledgers.values() if ledger.in_place is not None}
-            await self._files.collect(current=current, keep=self.retention.keep, held=held, pins=self.pinned, in_use=())
+            swapped = {ledger.in_place[0] for ledger in self._ledgers.values() if ledger.in_place is not None}
+            await self._files.collect(current=current, keep=self.retention.keep, held=swapped, pins=self.pinned, in_use=())
             return
         if any(not ledger.synced for ledger in self._ledgers.values()):
             return  # an engine's view is unknown (it failed): keep every file
-        held = self._files.held() | {v for ledger in self._ledgers.values() for v in ledger.versions}
+        loaded = self._files.held() | {v for ledger in self._ledgers.values() for v in ledger.versions}
         in_use: set[str] | None = set()
-        for engine in self.engines:
-            if engine is not None and self._handles[id(engine)].reloads:
-                busy = self._handles[id(engine)].last_in_use
+        for handle in self._handles.values():
+            if handle.reloads:  # the engines that may re-read a version's files
+                busy = handle.last_in_use
                 in_use = None if busy is None or in_use is None else in_use | busy
-        await self._files.collect(current=current, keep=self.retention.keep, held=held, pins=self.pinned, in_use=in_use)
-
-
-def publish_adapter(
-    adapter: AdapterLike,
-    engines: Iterable[Engine | str] | Engine | str,
-    *,
-    name: str,
-    version: int,
-    transport: str = "auto",
-    keep: int = 2,
-    verify: Probe | None = None,
-    root: str | os.PathLike[str] | None = None,
-    run: str | None = None,
-    base: BaseWeights | str | os.PathLike[str] | None = None,
-) -> PublishReport:
-    """Publish ``adapter`` as ``name@v<version>`` to every engine and report what happened.
-
-    Stateless: versions already loaded on each engine are read from the engine itself, so a
-    restarted trainer keeps monotonic versions and retention. Calls of one process share one run
-    in the store (per root and name) unless ``run=`` says otherwise. For every-step use, keep a
-    :class:`Publisher` (it caches capabilities and state).
-
-    Args:
-        adapter: an :class:`Adapter`, or a PEFT model / state dict (exported first).
-        engines: engine clients or specs like ``"vllm:http://127.0.0.1:8000"``.
-        name (`str`): adapter name (ASCII letters, digits, ``._-``).
-        version (`int`): monotonic version, e.g. the trainer step.
-        transport (`str`): ``"auto"``, ``"disk"``, ``"ipc"`` or ``"merged"``.
-        keep (`int`): versions kept loaded per engine.
-        verify (`Probe`, *optional*): checked through each engine after loading.
-        root: disk transport root. run: the store run. base: pristine base weights for the merged fallback.
-
-    Returns:
-        `PublishReport`: ``report.served_name`` is the name to request; ``report.ok`` tells
-        whether every engine serves it.
-
-    Raises:
-        InvalidNameError, ConfigError, AdapterError: bad arguments (nothing was sent).
-
-    Example:
-        >>> report = publish_adapter(adapter, ["vllm:http://127.0.0.1:8000"], name="policy", version=12)  # doctest: +SKIP
-        >>> report.served_name
-        'policy@v12'
-    """
-    publisher = Publisher(engines, name=name, transport=transport, keep=keep, root=root, run=run or _process_run(root), base=base, verify=verify)
-    try:
-        return publisher.publish(adapter, version=version)
-    finally:
-        publisher._release()  # the caller's engine objects stay open
-
-
-async def apublish_adapter(
-    adapter: AdapterLike,
-    engines: Iterable[Engine | str] | Engine | str,
-    *,
-    name: str,
-    version: int,
-    transport: str = "auto",
-    keep: int = 2,
-    verify: Probe | None = None,
-    root: str | os.PathLike[str] | None = None,
-    run: str | None = None,
-    base: BaseWeights | str | os.PathLike[str] | None = None,
-) -> PublishReport:
-    """Async twin of :func:`publish_adapter`. Engines given as specs are closed before it returns."""
-    specs = [engines] if isinstance(engines, (Engine, str)) else list(engines)
-    publisher = Publisher(specs, name=name, transport=transport, keep=keep, root=root, run=run or _process_run(root), base=base, verify=verify)
-    try:
-        return await publisher.apublish(adapter, version=version)
-    finally:
-        publisher.store.close()
-        # Clients this call made from specs are its own; the caller's engine objects stay open.
-        await _aclose_all(e for e, spec in zip(publisher.engines, specs) if isinstance(spec, str))
-
-
-_RUNS: dict[str, str] = {}
-_RUNS_GUARD = threading.Lock()
-
-
-def _process_run(root: str | os.PathLike[str] | None) -> str:
-    """One run per process and root for the stateless calls (their versions retire each other)."""
-    from lorasync.transports._store import default_root, new_run_id
-
-    key = os.path.abspath(os.fspath(root)) if root is not None else str(default_root())
-    with _RUNS_GUARD:
-        return _RUNS.setdefault(key, new_run_id())
+        await self._files.collect(current=current, keep=self.retention.keep, held=loaded, pins=self.pinned, in_use=in_use)
 
 
 async def _aclose_all(engines: Iterable[Engine]) -> None:
     for engine in engines:
         await engine.aclose()
-
-
-@contextlib.asynccontextmanager
-async def _held(lock: threading.Lock):  # type: ignore[no-untyped-def]
-    """Hold a thread lock from async code; a cancellation while waiting never leaves it held."""
-    acquiring = asyncio.ensure_future(asyncio.to_thread(lock.acquire))
-    try:
-        await asyncio.shield(acquiring)
-    except asyncio.CancelledError:
-        # The worker thread may still get the lock after we stop waiting: give it back then.
-        acquiring.add_done_callback(lambda f: lock.release() if not f.cancelled() and f.exception() is None and f.result() else None)
-        raise
-    try:
-        yield
-    finally:
-        lock.release()
