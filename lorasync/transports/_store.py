@@ -269,7 +269,7 @@ class DiskStore:
             _fsync_dir(run_dir)
         except OSError as exc:
             shutil.rmtree(tmp, ignore_errors=True)
-            if exc.errno in (errno.ENOTEMPTY, errno.EEXIST) and final.exists():
+            if _errno(exc) in (errno.ENOTEMPTY, errno.EEXIST) and final.exists():
                 # Only this run's owner writes here, so this is a second writer of the same version
                 # inside this publisher; equal content is the same publish.
                 if self.content_hash(name, version) == digest:
@@ -280,8 +280,14 @@ class DiskStore:
                     adapter=name,
                     version=version,
                 ) from exc
-            hint = "the store's filesystem is full: free space or use a bigger root" if exc.errno == errno.ENOSPC else "check free space and permissions"
-            raise StorageError(f"cannot publish {name} v{version} under {self.root}: {exc}; {hint}", adapter=name, version=version) from exc
+            if _errno(exc) == errno.ENOSPC:
+                raise StorageError(
+                    f"cannot publish {name} v{version}: the store's filesystem ({self.root}) is full; free space, lower keep=, "
+                    "or use a bigger root= (nothing of this version was left behind)",
+                    adapter=name,
+                    version=version,
+                ) from exc
+            raise StorageError(f"cannot publish {name} v{version} under {self.root}: {exc}; check free space and permissions", adapter=name, version=version) from exc
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -329,6 +335,16 @@ class DiskStore:
             _remove_version(final)
         except OSError as exc:
             raise StorageError(f"cannot remove {final}: {exc}", adapter=name, version=version) from exc
+
+
+def _errno(exc: BaseException) -> int | None:
+    """The OS error number of ``exc`` or of what it was raised from (lorasync wraps OSErrors)."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno is not None:
+            return seen.errno
+        seen = seen.__cause__
+    return None
 
 
 def _versions_in(run_dir: Path) -> list[int]:

@@ -5,8 +5,9 @@ regressions, fuzz cases, hostile inputs. Exits 1 if any scenario found a violati
     python -m tests.reliability.summary --soak     # the long soak documented in docs/reliability.md
 
 Run from the repository root with the library importable (``PYTHONPATH=$PWD`` in a worktree).
-The real-vLLM restart scenario needs the engine venv and runs under pytest only
-(``tests/reliability/test_vllm_restart.py``).
+The real-vLLM in-flight scenario (one adapter slot, versions published under decoding requests)
+runs when the engine venv exists (``LORASYNC_VLLM_PYTHON``), else it says it was skipped; the
+real-vLLM restart scenario runs under pytest only (``tests/reliability/test_vllm_restart.py``).
 """
 
 from __future__ import annotations
@@ -21,12 +22,14 @@ from . import _fuzz as fz
 from ._figures import table
 from ._harness import run_crash_soak, run_fault_matrix, run_inprocess_matrix, run_race
 from ._hostile import run_hostile
+from ._publisher_hardening import run_publisher_hardening
 from ._stale import run_stale_unchanged
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--soak", action="store_true", help="long soak: 240 kills, 4 x 16x400 races, 1000 fuzz cases each")
+    parser.add_argument("--no-vllm", action="store_true", help="skip the real-vLLM in-flight scenario (needs the engine venv)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     soak = args.soak
@@ -66,6 +69,18 @@ def main(argv: list[str] | None = None) -> int:
     figures.update(hostile=hostile["tried"], hostile_rejected=hostile["rejected"])
     stale = step("stale", run_stale_unchanged)
     figures.update(stale=stale["cases"], stale_served=stale["cases"] - len(stale["violations"]))
+    hardening = step("publisher", run_publisher_hardening)
+    figures.update(cancel_points=hardening["cancel_points"], disk_full=hardening["disk_full"], capacity_refusals=hardening["capacity"])
+    if hardening["skipped"]:
+        print(f"disk-full scenario: skipped ({hardening['skipped']})")
+    if args.no_vllm:
+        print("real-vLLM in-flight scenario: skipped (--no-vllm)")
+    else:
+        inflight = step("inflight", _vllm_inflight)
+        if inflight.get("skipped"):
+            print(f"real-vLLM in-flight scenario: skipped ({inflight['skipped']})")
+        else:
+            figures.update(inflight_requests=inflight["requests"], inflight_lost=inflight["lost"], engine_deaths=inflight["deaths"])
 
     print(table(figures))
     print(f"{'wall time (s)':<50} {sum(timings.values()):>10.0f}")
@@ -73,6 +88,25 @@ def main(argv: list[str] | None = None) -> int:
     for line in violations[:50]:
         print("  " + line)
     return 1 if violations else 0
+
+
+def _vllm_inflight() -> dict[str, object]:
+    """The real-vLLM scenario of test_vllm_inflight.py, when the engine venv exists."""
+    import tempfile
+    from pathlib import Path
+
+    from lorasync.testing import make_tiny_model
+    from lorasync.testing.vllm_server import vllm_python
+
+    from ._inflight import run_vllm_inflight
+
+    python = vllm_python()
+    if not python.exists():
+        return {"skipped": f"no vLLM engine python at {python}; run scripts/engine-venv.sh and set LORASYNC_VLLM_PYTHON", "violations": []}
+    with tempfile.TemporaryDirectory(prefix="lorasync-inflight-") as tmp:
+        model = Path(tmp) / "tiny"
+        make_tiny_model(model)
+        return run_vllm_inflight(model, python, Path(tmp))
 
 
 if __name__ == "__main__":
