@@ -213,8 +213,6 @@ class Adapter:
                 config, or extra ``*.safetensors`` files.
         """
         from peft import LoraConfig
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
 
         from lorasync._keys import normalize_trainer_key
 
@@ -231,10 +229,7 @@ class Adapter:
                 "every *.safetensors file they find. Save the adapter to a directory of its own (Adapter.save)",
                 path=str(path),
             )
-        try:
-            raw = load_file(str(weights))
-        except (OSError, SafetensorError) as exc:
-            raise StorageError(f"cannot read {weights}: {exc}") from exc
+        raw = _read_safetensors(weights)
         tensors: dict[str, torch.Tensor] = {}
         for key, tensor in raw.items():
             parsed = normalize_trainer_key(key)
@@ -243,10 +238,11 @@ class Adapter:
                 raise AssertionError("unreachable")
             tensors[peft_key(*parsed)] = tensor
         try:
-            config = AdapterConfig.from_peft(LoraConfig.from_pretrained(str(path)))
+            peft_config = LoraConfig.from_pretrained(str(path))
+            config = AdapterConfig.from_peft(peft_config)
         except OSError as exc:
             raise StorageError(f"cannot read {cfg}: {exc}") from exc
-        except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
+        except (ValueError, TypeError, KeyError, AttributeError, RecursionError, RuntimeError) as exc:
             if isinstance(exc, LoraSyncError):  # ConfigError from from_peft: already says what to fix
                 raise
             raise AdapterError(
@@ -254,7 +250,58 @@ class Adapter:
                 "Adapter.save or PEFT save_pretrained",
                 path=str(path),
             ) from exc
+        _refuse_unfilled_targets(peft_config, tensors, path)
         return cls(tensors, config, check_finite=check_finite)
+
+
+def _read_safetensors(file: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file, read into memory first.
+
+    ``safetensors.torch.load_file`` maps the file: a writer truncating or rewriting it while we
+    read (a directory replaced under a reader) then kills the process with SIGBUS. Reading the
+    bytes first turns every such race into a short or inconsistent buffer, refused below.
+
+    Raises:
+        StorageError: the file is missing, unreadable or not a valid safetensors file.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load
+
+    try:
+        with open(file, "rb") as f:
+            data = f.read()
+        return load(data)
+    except (OSError, SafetensorError, RuntimeError, ValueError) as exc:
+        raise StorageError(
+            f"cannot read {file}: {type(exc).__name__}: {str(exc)[:200]}; was the directory replaced or "
+            "deleted while it was read? Read a version the store has finished writing"
+        ) from exc
+
+
+def _refuse_unfilled_targets(peft_config: Any, tensors: Mapping[str, torch.Tensor], path: Path) -> None:
+    """``init_lora_weights: false`` plus ``target_modules`` naming modules the weights file does
+    not hold: PEFT would give those modules random factors, vLLM none, so the file has no single
+    meaning. Refused (AdapterError) instead of served one way or the other."""
+    if getattr(peft_config, "init_lora_weights", True) is not False:
+        return
+    targets = getattr(peft_config, "target_modules", None) or ()
+    if isinstance(targets, str):  # a regex: which modules it names depends on the base model
+        raise AdapterError(
+            f"{path / ADAPTER_CONFIG} has init_lora_weights=false and a regex target_modules: any module the "
+            "regex matches without weights in the file would get random factors in PEFT. Save the adapter "
+            "with Adapter.save or PEFT save_pretrained",
+            path=str(path),
+        )
+    modules = {parse_peft_key(k)[0] for k in tensors}
+    # PEFT's own list matching: a target names a module equal to it or ending in ".<target>".
+    missing = sorted(t for t in targets if not any(m == t or m.endswith(f".{t}") for m in modules))
+    if missing:
+        raise AdapterError(
+            f"{path / ADAPTER_CONFIG} has init_lora_weights=false and target_modules {missing} without weights in "
+            f"{ADAPTER_WEIGHTS}: PEFT would fill those modules with random factors. Drop them from "
+            "target_modules (or save the adapter with Adapter.save)",
+            path=str(path),
+        )
 
 
 def extra_weight_files(directory: str | os.PathLike[str]) -> list[str]:
@@ -354,8 +401,9 @@ def _validate(modules: Mapping[str, Mapping[str, torch.Tensor]], config: Adapter
                 )
             if not t.is_floating_point():
                 raise DtypeMismatchError(
-                    f"{key} has non-floating dtype {t.dtype}; LoRA factors must be float32, bfloat16 "
-                    "or float16 (cast them before building the Adapter)",
+                    f"{key} has non-floating dtype {t.dtype}; LoRA factors must be floating point "
+                    "(float32, bfloat16, float16, float64 or float8: engines cast them to their serving "
+                    "dtype); cast them before building the Adapter",
                     key=key,
                 )
             if dtype is None:

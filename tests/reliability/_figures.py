@@ -26,6 +26,12 @@ ROWS = (
     ("hostile", "hostile inputs tried"),
     ("hostile_rejected", "  ... rejected with the expected typed error"),
     ("vllm_restart", "real vLLM killed before verify, recovered"),
+    ("foreign_names", "foreign served names in an engine (q@v007 ...)"),
+    ("foreign_names_left", "  ... left alone, publishes loaded, never misread"),
+    ("untyped", "formerly untyped inputs (regex, r='4', dtypes)"),
+    ("untyped_typed", "  ... refused typed (or served bit for bit)"),
+    ("vanish_loads", "loads of a directory rewritten under the reader"),
+    ("vanish_typed", "  ... loaded or failed typed (no crash)"),
 )
 
 

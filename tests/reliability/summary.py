@@ -18,6 +18,7 @@ import time
 import torch
 
 from . import _fuzz as fz
+from . import _hardening as hd
 from ._figures import table
 from ._harness import run_crash_soak, run_fault_matrix, run_inprocess_matrix, run_race
 from ._hostile import run_hostile
@@ -63,6 +64,13 @@ def main(argv: list[str] | None = None) -> int:
         timings[f"fuzz_{kind}"] = time.monotonic() - start
     hostile = step("hostile", run_hostile)
     figures.update(hostile=hostile["tried"], hostile_rejected=hostile["rejected"])
+
+    foreign = step("foreign_names", hd.run_foreign_names)
+    figures.update(foreign_names=foreign["tried"], foreign_names_left=foreign["handled"])
+    untyped = step("untyped", hd.run_untyped)
+    figures.update(untyped=untyped["tried"], untyped_typed=untyped["handled"])
+    vanish = step("vanish", lambda: hd.run_vanishing(seconds=30.0 if soak else 6.0))
+    figures.update(vanish_loads=vanish["loads"], vanish_typed=vanish["handled"])
 
     print(table(figures))
     print(f"{'wall time (s)':<50} {sum(timings.values()):>10.0f}")

@@ -1,0 +1,29 @@
+"""Issue 15 hardening, the items needing no model: engine-listed names lorasync did not write are
+foreign (left alone, never misread), former untyped errors are typed, and a directory rewritten
+under its reader fails typed instead of killing the process."""
+
+from __future__ import annotations
+
+from ._figures import record
+from ._hardening import run_foreign_names, run_untyped, run_vanishing
+
+
+def test_foreign_served_names_are_left_alone_and_never_misread():
+    result = run_foreign_names()
+    record(foreign_names=result["tried"], foreign_names_left=result["handled"])
+    assert result["violations"] == [], "\n".join(result["violations"])
+    assert result["handled"] == result["tried"] >= 10
+
+
+def test_formerly_untyped_inputs_are_refused_typed():
+    result = run_untyped()
+    record(untyped=result["tried"], untyped_typed=result["handled"])
+    assert result["violations"] == [], "\n".join(result["violations"])
+    assert result["handled"] == result["tried"] > 30
+
+
+def test_a_directory_rewritten_under_its_reader_fails_typed():
+    result = run_vanishing()
+    record(vanish_loads=result["loads"], vanish_typed=result["handled"])
+    assert result["violations"] == [], "\n".join(result["violations"])
+    assert result["handled"] == result["tried"] > 50
