@@ -242,7 +242,7 @@ class Adapter:
             config = AdapterConfig.from_peft(peft_config)
         except OSError as exc:
             raise StorageError(f"cannot read {cfg}: {exc}") from exc
-        except (ValueError, TypeError, KeyError, AttributeError, RecursionError, RuntimeError) as exc:
+        except (ValueError, TypeError, KeyError, AttributeError, RecursionError, RuntimeError, ImportError) as exc:
             if isinstance(exc, LoraSyncError):  # ConfigError from from_peft: already says what to fix
                 raise
             raise AdapterError(

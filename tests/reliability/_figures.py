@@ -32,6 +32,8 @@ ROWS = (
     ("untyped_typed", "  ... refused typed (or served bit for bit)"),
     ("vanish_loads", "loads of a directory rewritten under the reader"),
     ("vanish_typed", "  ... loaded or failed typed (no crash)"),
+    ("peft_configs", "hostile adapter_config.json into the PEFT engine"),
+    ("peft_configs_safe", "  ... served exactly or refused, base bit-identical"),
 )
 
 

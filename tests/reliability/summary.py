@@ -71,6 +71,10 @@ def main(argv: list[str] | None = None) -> int:
     figures.update(untyped=untyped["tried"], untyped_typed=untyped["handled"])
     vanish = step("vanish", lambda: hd.run_vanishing(seconds=30.0 if soak else 6.0))
     figures.update(vanish_loads=vanish["loads"], vanish_typed=vanish["handled"])
+    from ._hardening_peft import run_peft_configs  # lazy: builds a model
+
+    peft_configs = step("peft_configs", run_peft_configs)
+    figures.update(peft_configs=peft_configs["tried"], peft_configs_safe=peft_configs["handled"])
 
     print(table(figures))
     print(f"{'wall time (s)':<50} {sum(timings.values()):>10.0f}")

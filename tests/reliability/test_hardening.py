@@ -27,3 +27,12 @@ def test_a_directory_rewritten_under_its_reader_fails_typed():
     record(vanish_loads=result["loads"], vanish_typed=result["handled"])
     assert result["violations"] == [], "\n".join(result["violations"])
     assert result["handled"] == result["tried"] > 50
+
+
+def test_the_peft_engine_serves_the_file_or_refuses_it_and_never_touches_the_base():
+    from ._hardening_peft import run_peft_configs
+
+    result = run_peft_configs()
+    record(peft_configs=result["tried"], peft_configs_safe=result["handled"])
+    assert result["violations"] == [], "\n".join(result["violations"])
+    assert result["handled"] == result["tried"] >= 30
