@@ -34,6 +34,8 @@ ROWS = (
     ("vanish_typed", "  ... loaded or failed typed (no crash)"),
     ("peft_configs", "hostile adapter_config.json into the PEFT engine"),
     ("peft_configs_safe", "  ... served exactly or refused, base bit-identical"),
+    ("cancel_points", "cancels injected into a merged publish (PEFT)"),
+    ("cancel_released", "  ... gate released, one whole version, next exact"),
 )
 
 

@@ -75,6 +75,10 @@ def main(argv: list[str] | None = None) -> int:
 
     peft_configs = step("peft_configs", run_peft_configs)
     figures.update(peft_configs=peft_configs["tried"], peft_configs_safe=peft_configs["handled"])
+    from ._hardening_cancel import run_merged_cancellation
+
+    cancels = step("cancel", run_merged_cancellation)
+    figures.update(cancel_points=cancels["tried"], cancel_released=cancels["handled"])
 
     print(table(figures))
     print(f"{'wall time (s)':<50} {sum(timings.values()):>10.0f}")

@@ -36,3 +36,12 @@ def test_the_peft_engine_serves_the_file_or_refuses_it_and_never_touches_the_bas
     record(peft_configs=result["tried"], peft_configs_safe=result["handled"])
     assert result["violations"] == [], "\n".join(result["violations"])
     assert result["handled"] == result["tried"] >= 30
+
+
+def test_cancelling_a_merged_publish_at_any_await_point_releases_the_engine():
+    from ._hardening_cancel import run_merged_cancellation
+
+    result = run_merged_cancellation()
+    record(cancel_points=result["tried"], cancel_released=result["handled"])
+    assert result["violations"] == [], "\n".join(result["violations"])
+    assert result["handled"] == result["tried"] >= 10
