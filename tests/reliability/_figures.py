@@ -36,6 +36,11 @@ ROWS = (
     ("peft_configs_safe", "  ... served exactly or refused, base bit-identical"),
     ("cancel_points", "cancels injected into a merged publish (PEFT)"),
     ("cancel_released", "  ... gate released, one whole version, next exact"),
+    ("trickle_calls", "calls to a peer trickling 1 byte / 0.5 s (timeout 1 s)"),
+    ("trickle_bounded", "  ... EngineTimeoutError within attempts x timeout"),
+    ("trickle_longest_s", "  longest such call (s)"),
+    ("secret_cases", "secrets: odd keys, echoing peers, URL passwords"),
+    ("secret_clean", "  ... cleaned or refused, secret shown nowhere"),
 )
 
 

@@ -79,6 +79,12 @@ def main(argv: list[str] | None = None) -> int:
 
     cancels = step("cancel", run_merged_cancellation)
     figures.update(cancel_points=cancels["tried"], cancel_released=cancels["handled"])
+    from ._hardening_http import run_secrets, run_trickle
+
+    trickle = step("trickle", run_trickle)
+    figures.update(trickle_calls=trickle["tried"], trickle_bounded=trickle["handled"], trickle_longest_s=str(trickle["longest"]))
+    secrets = step("secrets", run_secrets)
+    figures.update(secret_cases=secrets["tried"], secret_clean=secrets["handled"])
 
     print(table(figures))
     print(f"{'wall time (s)':<50} {sum(timings.values()):>10.0f}")

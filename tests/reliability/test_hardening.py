@@ -45,3 +45,21 @@ def test_cancelling_a_merged_publish_at_any_await_point_releases_the_engine():
     record(cancel_points=result["tried"], cancel_released=result["handled"])
     assert result["violations"] == [], "\n".join(result["violations"])
     assert result["handled"] == result["tried"] >= 10
+
+
+def test_a_trickling_peer_cannot_stretch_timeout():
+    from ._hardening_http import run_trickle
+
+    result = run_trickle()
+    record(trickle_calls=result["tried"], trickle_bounded=result["handled"], trickle_longest_s=str(result["longest"]))
+    assert result["violations"] == [], "\n".join(result["violations"])
+    assert result["handled"] == result["tried"] == 8
+
+
+def test_secrets_are_cleaned_or_refused_and_never_shown():
+    from ._hardening_http import run_secrets
+
+    result = run_secrets()
+    record(secret_cases=result["tried"], secret_clean=result["handled"])
+    assert result["violations"] == [], "\n".join(result["violations"])
+    assert result["handled"] == result["tried"] > 20
