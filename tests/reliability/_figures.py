@@ -41,6 +41,9 @@ ROWS = (
     ("trickle_longest_s", "  longest such call (s)"),
     ("secret_cases", "secrets: odd keys, echoing peers, URL passwords"),
     ("secret_clean", "  ... cleaned or refused, secret shown nowhere"),
+    ("probe_cases", "stale engine (v(N-1), 1 % lora_B step) vs probes"),
+    ("probe_blind_default", "  ... default probe blind to it (stated + warned)"),
+    ("probe_strict_ok", "  ... power stated right, strict caught it, fresh passed"),
 )
 
 

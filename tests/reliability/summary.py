@@ -85,6 +85,10 @@ def main(argv: list[str] | None = None) -> int:
     figures.update(trickle_calls=trickle["tried"], trickle_bounded=trickle["handled"], trickle_longest_s=str(trickle["longest"]))
     secrets = step("secrets", run_secrets)
     figures.update(secret_cases=secrets["tried"], secret_clean=secrets["handled"])
+    from ._hardening_probe import run_probe_power
+
+    power = step("probe", run_probe_power)
+    figures.update(probe_cases=power["tried"], probe_blind_default=power["blind_default"], probe_strict_ok=power["handled"])
 
     print(table(figures))
     print(f"{'wall time (s)':<50} {sum(timings.values()):>10.0f}")

@@ -63,3 +63,13 @@ def test_secrets_are_cleaned_or_refused_and_never_shown():
     record(secret_cases=result["tried"], secret_clean=result["handled"])
     assert result["violations"] == [], "\n".join(result["violations"])
     assert result["handled"] == result["tried"] > 20
+
+
+def test_the_probe_states_its_power_and_strict_mode_catches_a_stale_engine():
+    from ._hardening_probe import run_probe_power
+
+    result = run_probe_power()
+    record(probe_cases=result["tried"], probe_blind_default=result["blind_default"], probe_strict_ok=result["handled"])
+    assert result["violations"] == [], "\n".join(result["violations"])
+    assert result["handled"] == result["tried"] == 6
+    assert result["blind_default"] >= 1  # the finding itself: the default tolerance misses a 1 % step
