@@ -264,18 +264,69 @@ def _read_safetensors(file: Path) -> dict[str, torch.Tensor]:
     Raises:
         StorageError: the file is missing, unreadable or not a valid safetensors file.
     """
-    from safetensors import SafetensorError
-    from safetensors.torch import load
-
     try:
         with open(file, "rb") as f:
-            data = f.read()
-        return load(data)
-    except (OSError, SafetensorError, RuntimeError, ValueError) as exc:
+            size = os.fstat(f.fileno()).st_size
+            data = torch.empty(size, dtype=torch.uint8)
+            if size and f.readinto(memoryview(data.numpy())) != size:
+                raise OSError("the file changed size while it was read")
+        return _tensors_of(data)
+    except (OSError, RuntimeError, ValueError, KeyError, TypeError) as exc:
         raise StorageError(
             f"cannot read {file}: {type(exc).__name__}: {str(exc)[:200]}; was the directory replaced or "
             "deleted while it was read? Read a version the store has finished writing"
         ) from exc
+
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}  # fmt: skip
+_MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit
+
+
+def _tensors_of(data: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The tensors of the safetensors file held in ``data`` (1-D ``uint8``), as views of it:
+    no copy beyond the one read. Bounds are checked before any view is made.
+
+    Raises:
+        ValueError: a truncated or malformed file (header length, JSON, dtypes, offsets).
+    """
+    size = data.numel()
+    if size < 8:
+        raise ValueError("truncated: no header")
+    hlen = int.from_bytes(data[:8].numpy().tobytes(), "little")
+    if hlen > _MAX_HEADER or 8 + hlen > size:
+        raise ValueError(f"header length {hlen} does not fit a {size}-byte file")
+    header = json.loads(data[8 : 8 + hlen].numpy().tobytes())
+    if not isinstance(header, dict):
+        raise ValueError("the header is not a JSON object")
+    header.pop("__metadata__", None)
+    start, end_of_data = 8 + hlen, 8 + hlen
+    out: dict[str, torch.Tensor] = {}
+    for key, info in header.items():
+        dtype = _SAFETENSORS_DTYPES.get(info.get("dtype") if isinstance(info, dict) else None)
+        if dtype is None:
+            raise ValueError(f"{key}: unknown dtype or entry {str(info)[:80]}")
+        begin, end = (int(x) for x in info["data_offsets"])
+        shape = [int(d) for d in info["shape"]]
+        count = 1
+        for d in shape:
+            if d < 0:
+                raise ValueError(f"{key}: negative dimension in {shape}")
+            count *= d
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if begin < 0 or end != begin + count * itemsize or start + end > size:
+            raise ValueError(f"{key}: data offsets {begin}..{end} do not fit shape {shape} in the file")
+        end_of_data = max(end_of_data, start + end)
+        raw = data[start + begin : start + end]
+        if (start + begin) % itemsize:  # a view needs alignment; after an odd-sized tensor, copy
+            raw = raw.clone()
+        out[key] = raw.view(dtype).reshape(shape)
+    if end_of_data != size:
+        raise ValueError(f"{size - end_of_data} bytes after the last tensor: not a complete safetensors file")
+    return out
 
 
 def _refuse_unfilled_targets(peft_config: Any, tensors: Mapping[str, torch.Tensor], path: Path) -> None:
