@@ -142,6 +142,10 @@ class HTTPEngine(Engine):
                     call = op.send(response)
         except StopIteration as stop:
             return stop.value  # type: ignore[no-any-return]
+        except EngineError as exc:  # the operation's own errors may quote a response body
+            if any(secret in exc.message for secret in self._secrets):
+                raise self._scrubbed(exc, exc.__cause__) from None
+            raise
 
     async def _arun(self, op: Operation[T], *, adapter: str | None = None) -> T:
         try:
@@ -155,6 +159,10 @@ class HTTPEngine(Engine):
                     call = op.send(response)
         except StopIteration as stop:
             return stop.value  # type: ignore[no-any-return]
+        except EngineError as exc:  # the operation's own errors may quote a response body
+            if any(secret in exc.message for secret in self._secrets):
+                raise self._scrubbed(exc, exc.__cause__) from None
+            raise
 
     def _send(self, call: Call, adapter: str | None) -> httpx.Response:
         client = self._sync_client()
@@ -201,7 +209,7 @@ class HTTPEngine(Engine):
             text = text.replace(secret, "***")
         return text
 
-    def _scrubbed(self, error: EngineError, cause: BaseException) -> EngineError:
+    def _scrubbed(self, error: EngineError, cause: BaseException | None) -> EngineError:
         """``error`` with secrets removed from its message and context, chained to ``cause``
         only when no secret shows in the cause's text either."""
         if not self._secrets:
@@ -214,7 +222,7 @@ class HTTPEngine(Engine):
             if isinstance(value, str) and value != self._scrub(value):
                 error.context[key] = self._scrub(value)
                 setattr(error, key, error.context[key])
-        leaks = any(secret in text for secret in self._secrets for text in (str(cause), repr(cause.args)))
+        leaks = cause is not None and any(secret in text for secret in self._secrets for text in (str(cause), repr(cause.args)))
         error.__cause__ = None if leaks else cause
         error.__suppress_context__ = True
         return error

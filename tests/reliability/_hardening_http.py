@@ -21,7 +21,7 @@ import httpx
 
 from lorasync import Publisher, RetryPolicy
 from lorasync.engines import parse_engine_spec
-from lorasync.errors import ConfigError, EngineTimeoutError, EngineUnavailableError
+from lorasync.errors import ConfigError, EngineError, EngineTimeoutError, EngineUnavailableError
 
 from ._faultserver import FaultServer
 from ._harness import client, tiny_adapter
@@ -164,23 +164,26 @@ def run_secrets() -> dict[str, Any]:
                     case(label, False, f"{type(exc).__name__} instead of ConfigError")
                 else:
                     case(label, False, "accepted")
-            with SlowPeer("echo503", lifetime=10.0) as peer:
-                label = f"{protocol}: a peer quoting the Authorization header in its error"
-                engine = client(protocol, peer.url, api_key=SECRET, retries=POLICY)
-                try:
-                    engine.list_adapters()
-                    case(label, False, "no error")
-                except EngineUnavailableError as exc:
-                    texts.extend((label, t) for t in _texts(exc))
-                    case(label, peer.requests == ATTEMPTS, f"{peer.requests} requests")
-                except Exception as exc:  # noqa: BLE001
-                    texts.extend((label, t) for t in _texts(exc))
-                    case(label, False, f"{type(exc).__name__}")
-                pub = Publisher([engine], name="k", root=root / f"{protocol}-echo", transport="disk")
-                report = pub.publish(tiny_adapter(2), version=2)
-                texts.extend((label + " (report)", t) for t in _texts(report))
-                pub.close()
-                engine.close()
+            for mode in ("echo503", "echo500"):
+                with SlowPeer(mode, lifetime=10.0) as peer:
+                    label = f"{protocol}: a peer quoting the Authorization header in its error ({mode})"
+                    engine = client(protocol, peer.url, api_key=SECRET, retries=POLICY)
+                    try:
+                        engine.list_adapters()
+                        case(label, False, "no error")
+                    except EngineError as exc:
+                        texts.extend((label, t) for t in _texts(exc))
+                        wanted = ATTEMPTS if mode == "echo503" else 1
+                        ok = peer.requests == wanted and (mode == "echo500" or isinstance(exc, EngineUnavailableError))
+                        case(label, ok, f"{type(exc).__name__} after {peer.requests} requests")
+                    except Exception as exc:  # noqa: BLE001
+                        texts.extend((label, t) for t in _texts(exc))
+                        case(label, False, f"{type(exc).__name__}")
+                    pub = Publisher([engine], name="k", root=root / f"{protocol}-{mode}", transport="disk")
+                    report = pub.publish(tiny_adapter(2), version=2)
+                    texts.extend((label + " (report)", t) for t in _texts(report))
+                    pub.close()
+                    engine.close()
         with FaultServer("vllm") as server:
             host = server.url.removeprefix("http://")
             for password in ("pa#ss" + SECRET, "p/ss" + SECRET, "p?ss" + SECRET, "p@ss" + SECRET, "p:#/?@" + SECRET, "p%23" + SECRET):

@@ -6,8 +6,8 @@ Modes, per connection, after reading the request head and body:
   ``interval`` seconds;
 * ``"trickle_body"``: status line and headers at once (``Content-Length`` set), the body one
   byte every ``interval`` seconds;
-* ``"echo503"``: a 503 whose body quotes the request's headers back (``Authorization``
-  included), the way some proxies' error pages do.
+* ``"echo503"`` / ``"echo500"``: a 503 (retried) or 500 (not) whose body quotes the request's
+  headers back (``Authorization`` included), the way some proxies' error pages do.
 
 Bounded: the server closes every connection and stops listening ``lifetime`` seconds after it
 started (or on :meth:`stop`), whatever the clients do.
@@ -25,7 +25,7 @@ BODY = b'{"object": "list", "data": []}'
 
 class SlowPeer:
     def __init__(self, mode: str, *, interval: float = 0.5, lifetime: float = 15.0) -> None:
-        if mode not in ("trickle_head", "trickle_body", "echo503"):
+        if mode not in ("trickle_head", "trickle_body", "echo503", "echo500"):
             raise ValueError(mode)
         self.mode, self.interval, self.lifetime = mode, interval, lifetime
         self._sock = socket.socket()
@@ -87,9 +87,10 @@ class SlowPeer:
                     return
                 self.requests += 1
                 header_text = head.split(b"\r\n\r\n", 1)[0]
-                if self.mode == "echo503":
+                if self.mode in ("echo503", "echo500"):
                     body = b"upstream unavailable; request was:\n" + header_text
-                    conn.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+                    status = b"503 Service Unavailable" if self.mode == "echo503" else b"500 Internal Server Error"
+                    conn.sendall(b"HTTP/1.1 %s\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n\r\n%s" % (status, len(body), body))
                     continue
                 response = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(BODY), BODY)
                 start = 0
