@@ -33,17 +33,17 @@ ROWS = (
     ("vanish_loads", "loads of a directory rewritten under the reader"),
     ("vanish_typed", "  ... loaded or failed typed (no crash)"),
     ("peft_configs", "hostile adapter_config.json into the PEFT engine"),
-    ("peft_configs_safe", "  ... served exactly or refused, base bit-identical"),
+    ("peft_configs_safe", "  ... served exactly or refused, base untouched"),
     ("cancel_points", "cancels injected into a merged publish (PEFT)"),
-    ("cancel_released", "  ... gate released, one whole version, next exact"),
-    ("trickle_calls", "calls to a peer trickling 1 byte / 0.5 s (timeout 1 s)"),
+    ("cancel_released", "  ... gate freed, one whole version, next exact"),
+    ("trickle_calls", "calls to a peer trickling 1 B/0.5 s (timeout 1 s)"),
     ("trickle_bounded", "  ... EngineTimeoutError within attempts x timeout"),
     ("trickle_longest_s", "  longest such call (s)"),
     ("secret_cases", "secrets: odd keys, echoing peers, URL passwords"),
     ("secret_clean", "  ... cleaned or refused, secret shown nowhere"),
     ("probe_cases", "stale engine (v(N-1), 1 % lora_B step) vs probes"),
     ("probe_blind_default", "  ... default probe blind to it (stated + warned)"),
-    ("probe_strict_ok", "  ... power stated right, strict caught it, fresh passed"),
+    ("probe_strict_ok", "  ... power right, strict caught it, fresh passed"),
 )
 
 
