@@ -292,8 +292,6 @@ class Adapter:
                 config, or extra ``*.safetensors`` files.
         """
         from peft import LoraConfig
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
 
         from lorasync._keys import normalize_trainer_key
 
@@ -310,10 +308,7 @@ class Adapter:
                 "every *.safetensors file they find. Save the adapter to a directory of its own (Adapter.save)",
                 path=str(path),
             )
-        try:
-            raw = load_file(str(weights))
-        except (OSError, SafetensorError) as exc:
-            raise StorageError(f"cannot read {weights}: {exc}") from exc
+        raw = _read_safetensors(weights)
         tensors: dict[str, torch.Tensor] = {}
         for key, tensor in raw.items():
             parsed = normalize_trainer_key(key)
@@ -322,10 +317,11 @@ class Adapter:
                 raise AssertionError("unreachable")
             tensors[peft_key(*parsed)] = tensor
         try:
-            config = AdapterConfig.from_peft(LoraConfig.from_pretrained(str(path)))
+            peft_config = LoraConfig.from_pretrained(str(path))
+            config = AdapterConfig.from_peft(peft_config)
         except OSError as exc:
             raise StorageError(f"cannot read {cfg}: {exc}") from exc
-        except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
+        except (ValueError, TypeError, KeyError, AttributeError, RecursionError, RuntimeError, ImportError) as exc:
             if isinstance(exc, LoraSyncError):  # ConfigError from from_peft: already says what to fix
                 raise
             raise AdapterError(
@@ -333,7 +329,109 @@ class Adapter:
                 "Adapter.save or PEFT save_pretrained",
                 path=str(path),
             ) from exc
+        _refuse_unfilled_targets(peft_config, tensors, path)
         return cls(tensors, config, check_finite=check_finite)
+
+
+def _read_safetensors(file: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file, read into memory first.
+
+    ``safetensors.torch.load_file`` maps the file: a writer truncating or rewriting it while we
+    read (a directory replaced under a reader) then kills the process with SIGBUS. Reading the
+    bytes first turns every such race into a short or inconsistent buffer, refused below.
+
+    Raises:
+        StorageError: the file is missing, unreadable or not a valid safetensors file.
+    """
+    try:
+        with open(file, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            data = torch.empty(size, dtype=torch.uint8)
+            if size and f.readinto(memoryview(data.numpy())) != size:
+                raise OSError("the file changed size while it was read")
+        return _tensors_of(data)
+    except (OSError, RuntimeError, ValueError, KeyError, TypeError) as exc:
+        raise StorageError(
+            f"cannot read {file}: {type(exc).__name__}: {str(exc)[:200]}; was the directory replaced or "
+            "deleted while it was read? Read a version the store has finished writing"
+        ) from exc
+
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}  # fmt: skip
+_MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit
+
+
+def _tensors_of(data: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The tensors of the safetensors file held in ``data`` (1-D ``uint8``), as views of it:
+    no copy beyond the one read. Bounds are checked before any view is made.
+
+    Raises:
+        ValueError: a truncated or malformed file (header length, JSON, dtypes, offsets).
+    """
+    size = data.numel()
+    if size < 8:
+        raise ValueError("truncated: no header")
+    hlen = int.from_bytes(data[:8].numpy().tobytes(), "little")
+    if hlen > _MAX_HEADER or 8 + hlen > size:
+        raise ValueError(f"header length {hlen} does not fit a {size}-byte file")
+    header = json.loads(data[8 : 8 + hlen].numpy().tobytes())
+    if not isinstance(header, dict):
+        raise ValueError("the header is not a JSON object")
+    header.pop("__metadata__", None)
+    start, end_of_data = 8 + hlen, 8 + hlen
+    out: dict[str, torch.Tensor] = {}
+    for key, info in header.items():
+        dtype = _SAFETENSORS_DTYPES.get(info.get("dtype") if isinstance(info, dict) else None)
+        if dtype is None:
+            raise ValueError(f"{key}: unknown dtype or entry {str(info)[:80]}")
+        begin, end = (int(x) for x in info["data_offsets"])
+        shape = [int(d) for d in info["shape"]]
+        count = 1
+        for d in shape:
+            if d < 0:
+                raise ValueError(f"{key}: negative dimension in {shape}")
+            count *= d
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if begin < 0 or end != begin + count * itemsize or start + end > size:
+            raise ValueError(f"{key}: data offsets {begin}..{end} do not fit shape {shape} in the file")
+        end_of_data = max(end_of_data, start + end)
+        raw = data[start + begin : start + end]
+        if (start + begin) % itemsize:  # a view needs alignment; after an odd-sized tensor, copy
+            raw = raw.clone()
+        out[key] = raw.view(dtype).reshape(shape)
+    if end_of_data != size:
+        raise ValueError(f"{size - end_of_data} bytes after the last tensor: not a complete safetensors file")
+    return out
+
+
+def _refuse_unfilled_targets(peft_config: Any, tensors: Mapping[str, torch.Tensor], path: Path) -> None:
+    """``init_lora_weights: false`` plus ``target_modules`` naming modules the weights file does
+    not hold: PEFT would give those modules random factors, vLLM none, so the file has no single
+    meaning. Refused (AdapterError) instead of served one way or the other."""
+    if getattr(peft_config, "init_lora_weights", True) is not False:
+        return
+    targets = getattr(peft_config, "target_modules", None) or ()
+    if isinstance(targets, str):  # a regex: which modules it names depends on the base model
+        raise AdapterError(
+            f"{path / ADAPTER_CONFIG} has init_lora_weights=false and a regex target_modules: any module the "
+            "regex matches without weights in the file would get random factors in PEFT. Save the adapter "
+            "with Adapter.save or PEFT save_pretrained",
+            path=str(path),
+        )
+    modules = {parse_peft_key(k)[0] for k in tensors}
+    # PEFT's own list matching: a target names a module equal to it or ending in ".<target>".
+    missing = sorted(t for t in targets if not any(m == t or m.endswith(f".{t}") for m in modules))
+    if missing:
+        raise AdapterError(
+            f"{path / ADAPTER_CONFIG} has init_lora_weights=false and target_modules {missing} without weights in "
+            f"{ADAPTER_WEIGHTS}: PEFT would fill those modules with random factors. Drop them from "
+            "target_modules (or save the adapter with Adapter.save)",
+            path=str(path),
+        )
 
 
 def extra_weight_files(directory: str | os.PathLike[str]) -> list[str]:
@@ -437,8 +535,9 @@ def _validate(modules: Mapping[str, Mapping[str, torch.Tensor]], config: Adapter
                 )
             if not t.is_floating_point():
                 raise DtypeMismatchError(
-                    f"{key} has non-floating dtype {t.dtype}; LoRA factors must be float32, bfloat16 "
-                    "or float16 (cast them before building the Adapter)",
+                    f"{key} has non-floating dtype {t.dtype}; LoRA factors must be floating point "
+                    "(float32, bfloat16, float16, float64 or float8: engines cast them to their serving "
+                    "dtype); cast them before building the Adapter",
                     key=key,
                 )
             if dtype is None:

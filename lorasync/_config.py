@@ -7,6 +7,7 @@ each module's effective rank and scale the way PEFT computes them (rank/alpha pa
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
@@ -47,7 +48,7 @@ class AdapterConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.r, int) or isinstance(self.r, bool) or self.r <= 0:
             raise ConfigError(f"r must be a positive int, got {self.r!r}")
-        if not isinstance(self.lora_alpha, (int, float)) or not math.isfinite(self.lora_alpha):
+        if isinstance(self.lora_alpha, bool) or not isinstance(self.lora_alpha, (int, float)) or not math.isfinite(self.lora_alpha):
             raise ConfigError(f"lora_alpha must be a finite number, got {self.lora_alpha!r}")
         if self.lora_alpha <= 0:
             raise ConfigError(f"lora_alpha must be > 0, got {self.lora_alpha!r}")
@@ -58,10 +59,12 @@ class AdapterConfig:
         object.__setattr__(self, "rank_pattern", _frozen(self.rank_pattern))
         object.__setattr__(self, "alpha_pattern", _frozen(self.alpha_pattern))
         for key, rank in self.rank_pattern.items():
-            if not isinstance(rank, int) or rank <= 0:
+            _check_pattern("rank_pattern", key)
+            if not isinstance(rank, int) or isinstance(rank, bool) or rank <= 0:
                 raise ConfigError(f"rank_pattern[{key!r}] must be a positive int, got {rank!r}")
         for key, alpha in self.alpha_pattern.items():
-            if not isinstance(alpha, (int, float)) or not alpha > 0:
+            _check_pattern("alpha_pattern", key)
+            if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
                 raise ConfigError(f"alpha_pattern[{key!r}] must be > 0, got {alpha!r}")
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -170,6 +173,7 @@ class AdapterConfig:
             ConfigError: features no engine-bound adapter may carry (DoRA, bias, modules_to_save).
         """
         data = config if isinstance(config, Mapping) else config.to_dict()
+        _refuse_foreign_math(data)
         if data.get("use_dora"):
             raise ConfigError("DoRA adapters are not supported by vLLM or SGLang; train plain LoRA")
         if data.get("bias", "none") != "none" or data.get("lora_bias"):
@@ -183,8 +187,12 @@ class AdapterConfig:
         if isinstance(targets, str):
             # A string is a regex in PEFT, not a leaf name; derive the leaves from the tensors.
             targets = ()
+        rank = data["r"]  # missing: KeyError, "not a PEFT LoRA config" to Adapter.load
+        if not isinstance(rank, int) or isinstance(rank, bool):
+            # PEFT keeps whatever JSON held; "8" or 8.0 would become a rank only by our cast.
+            raise ConfigError(f"adapter_config.json r must be a JSON integer such as 8, got {rank!r}")
         return cls(
-            r=int(data["r"]),
+            r=rank,
             lora_alpha=data["lora_alpha"],
             target_modules=tuple(targets),
             use_rslora=bool(data.get("use_rslora", False)),
@@ -203,6 +211,56 @@ class AdapterConfig:
             "rank_pattern": dict(self.rank_pattern),
             "alpha_pattern": dict(self.alpha_pattern),
         }
+
+
+# init_lora_weights values whose saved adapter is plain LoRA over the untouched base model. PiSSA,
+# OLoRA, CorDA and LoftQ rewrite the base weights at init: their factors only mean something over
+# that rewritten base, which no engine has.
+_PLAIN_INITS = (True, False, "gaussian", "eva", "orthogonal")
+
+# LoraConfig fields that change what the adapter computes and that neither lorasync nor the
+# engines it feeds implement: their default values, anything else is refused.
+_FOREIGN_MATH = {
+    "layer_replication": None,
+    "target_parameters": None,
+    "alora_invocation_tokens": None,
+    "trainable_token_indices": None,
+    "use_qalora": False,
+    "arrow_config": None,
+}
+
+
+def _refuse_foreign_math(data: Mapping[str, Any]) -> None:
+    """Raise ConfigError for config fields that change the math and that lorasync does not
+    carry to engines (serving the factors without them would serve another adapter)."""
+    init = data.get("init_lora_weights", True)
+    if not any(init is plain or (isinstance(plain, str) and init == plain) for plain in _PLAIN_INITS):
+        shown = str(init)[:40]
+        raise ConfigError(
+            f"init_lora_weights={shown!r} rewrites the base model's weights when the adapter is created, so its "
+            "factors are only correct over that rewritten base; save it converted to plain LoRA "
+            "(PeftModel.save_pretrained(..., path_initial_model_for_weight_conversion=...)) and publish that"
+        )
+    for key, default in _FOREIGN_MATH.items():
+        value = data.get(key, default)
+        if value is not None and value != default and value not in ([], {}, ()):
+            raise ConfigError(
+                f"adapter_config.json sets {key}={str(value)[:60]!r}, which changes what the adapter computes and "
+                "which lorasync and the inference engines do not implement; train and publish without it"
+            )
+
+
+def _check_pattern(field_name: str, key: object) -> None:
+    r"""A rank/alpha pattern key must compile the way PEFT uses it (``(.*\.)?(<key>)$``)."""
+    if not isinstance(key, str) or not key:
+        raise ConfigError(f"{field_name} keys must be non-empty strings (module names or regexes), got {key!r}")
+    try:
+        re.compile(rf"(.*\.)?({key})$")
+    except re.error as exc:
+        raise ConfigError(
+            f"{field_name} key {key[:80]!r} is not a valid regular expression ({exc}); PEFT matches these keys "
+            "as regexes against module names: escape it or use the plain module name"
+        ) from exc
 
 
 def _pattern_key(patterns: Mapping[str, Any], module: str) -> str | None:

@@ -16,7 +16,8 @@ __all__ = ["MAX_NAME", "parse_served_name", "served_name", "validate_name", "val
 MAX_NAME = 96
 MAX_VERSION = 10**15
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
-_SERVED = re.compile(r"(?P<name>.+)@v(?P<version>[0-9]+)")
+# Exactly what served_name() writes: no leading zeros, at most 15 digits (MAX_VERSION = 10**15).
+_SERVED = re.compile(r"(?P<name>.+)@v(?P<version>0|[1-9][0-9]{0,14})")
 
 
 def validate_name(name: object) -> str:
@@ -60,12 +61,25 @@ def served_name(name: str, version: int) -> str:
     return f"{validate_name(name)}@v{validate_version(version)}"
 
 
-def parse_served_name(served: str) -> tuple[str, int] | None:
-    """``"policy@v3"`` → ``("policy", 3)``; None for names lorasync did not make."""
+def parse_served_name(served: object) -> tuple[str, int] | None:
+    """``"policy@v3"`` → ``("policy", 3)``; None for names lorasync did not make.
+
+    Only the canonical form :func:`served_name` writes is lorasync's: ``q@v007`` or
+    ``p@v99999999999999999999`` (loaded by someone else) are foreign, so a publisher never reads
+    a version out of them, never unloads them and never fails because of them.
+
+    Args:
+        served: a name an engine lists (anything: engines may list odd values).
+
+    Returns:
+        `tuple[str, int] | None`: ``(name, version)``, or None for a foreign name.
+    """
+    if not isinstance(served, str):
+        return None
     match = _SERVED.fullmatch(served)
     if match is None:
         return None
     try:
-        return validate_name(match["name"]), int(match["version"])
+        return validate_name(match["name"]), validate_version(int(match["version"]))
     except InvalidNameError:
         return None

@@ -3,18 +3,32 @@
 The trainer greedy-decodes a few tokens from a prompt with its own model and records the chosen
 tokens and their log-probabilities. After loading, the publisher asks the engine for the same
 and fails that engine's result on a mismatch: a stale, mis-scaled or wrong adapter shows up here.
+
+A probe only catches a stale engine (one still serving version N-1) when N-1's log-probs on the
+probe's tokens differ from N's by more than ``atol``. Between two close training steps they
+often do not (a 1 % change of ``lora_B`` moves them by ~0.01 on the tiny test model, under the
+default 0.05). Given the previous version's log-probs (``previous_logprobs``, or ``previous=``
+in :meth:`Probe.from_model`), a probe states its power (:attr:`Probe.separation`,
+:attr:`Probe.detects_previous`, :meth:`Probe.describe`), warns when it cannot tell the two
+versions apart, and :meth:`Probe.strict` tightens ``atol`` to half the separation. See
+docs/verification.md.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from lorasync.errors import ConfigError
+from lorasync.errors import ConfigError, LoraSyncWarning
+
+# Smallest tolerance strict() sets: below it, float32 engines' own rounding (~1e-5..1e-4 on
+# these log-probs) could fail a correct engine.
+STRICT_FLOOR = 1e-3
 
 __all__ = ["Probe"]
 
@@ -28,12 +42,23 @@ class Probe:
         expected_ids: the trainer model's greedy tokens.
         expected_logprobs: their log-probabilities (None: compare tokens only).
         atol: allowed absolute log-prob difference (bf16 engines need ~0.05–0.1).
+        previous_logprobs: the previous version's log-probs of the same tokens after the same
+            prompt (the trainer's model before this step), to state what the probe detects.
+            Not sent to engines.
+
+    Raises:
+        ConfigError: empty prompt or tokens, or log-prob tuples of the wrong length.
+
+    Warns:
+        LoraSyncWarning: ``previous_logprobs`` are given and within ``atol`` of the expected
+            ones: an engine still serving the previous version would pass.
     """
 
     prompt_ids: tuple[int, ...]
     expected_ids: tuple[int, ...]
     expected_logprobs: tuple[float, ...] | None = None
     atol: float = 0.05
+    previous_logprobs: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_ids", tuple(int(t) for t in self.prompt_ids))
@@ -44,10 +69,106 @@ class Probe:
                 raise ConfigError("expected_logprobs must have one value per expected token")
         if not self.prompt_ids or not self.expected_ids:
             raise ConfigError("a probe needs a non-empty prompt and at least one expected token")
+        if isinstance(self.atol, bool) or not isinstance(self.atol, (int, float)) or not self.atol >= 0:
+            raise ConfigError(f"atol must be a number >= 0, got {self.atol!r}")
+        if self.previous_logprobs is not None:
+            object.__setattr__(self, "previous_logprobs", tuple(float(x) for x in self.previous_logprobs))
+            if self.expected_logprobs is None or len(self.previous_logprobs) != len(self.expected_ids):
+                raise ConfigError("previous_logprobs need expected_logprobs and one value per expected token")
+            if not self.detects_previous:
+                warnings.warn(self.describe() + "; use Probe.strict() or a longer / more specific prompt", LoraSyncWarning, stacklevel=3)
+
+    # -- power ------------------------------------------------------------------------------
+
+    @property
+    def separation(self) -> float | None:
+        """Largest |expected - previous| log-prob over the tokens: how far apart the two
+        versions are on this probe (None without ``previous_logprobs``)."""
+        if self.previous_logprobs is None or self.expected_logprobs is None:
+            return None
+        return max(abs(a - b) for a, b in zip(self.expected_logprobs, self.previous_logprobs))
+
+    @property
+    def detects_previous(self) -> bool | None:
+        """Whether an engine serving exactly the previous version fails this probe (its
+        log-probs leave the ``atol`` band somewhere); None when unknown."""
+        separation = self.separation
+        return None if separation is None else separation > self.atol
+
+    def describe(self) -> str:
+        """One line on what this probe can detect."""
+        separation = self.separation
+        if separation is None:
+            return (
+                f"probe of {len(self.expected_ids)} tokens, atol {self.atol}: detects changes that move a log-prob by "
+                f"more than {self.atol} (give previous_logprobs to know whether that covers one training step)"
+            )
+        verdict = "would FAIL (detected)" if self.detects_previous else "would PASS (not detected)"
+        return (
+            f"probe of {len(self.expected_ids)} tokens, atol {self.atol}: this version and the previous one differ by at "
+            f"most {separation:.4g} in log-prob, so an engine still serving the previous version {verdict}"
+        )
+
+    def strict(self, *, floor: float = STRICT_FLOOR) -> Probe:
+        """This probe with ``atol`` lowered to half its separation, so an engine serving the
+        previous version fails it while one serving this version passes with margin.
+
+        Args:
+            floor (`float`): the smallest tolerance accepted (engine rounding must fit in it;
+                float32 engines: ~1e-3; bf16 engines need ~0.05, so strict mode suits them only
+                when versions are that far apart).
+
+        Returns:
+            `Probe`: a copy with ``atol = min(atol, separation / 2)``.
+
+        Raises:
+            ConfigError: no ``previous_logprobs``, or versions closer than ``2 * floor`` on
+                this probe (no tolerance can separate them from engine rounding).
+        """
+        separation = self.separation
+        if separation is None:
+            raise ConfigError("strict() needs previous_logprobs (Probe.from_model(..., previous=old_model))")
+        atol = min(self.atol, separation / 2)
+        if atol < floor:
+            raise ConfigError(
+                f"this version and the previous one differ by at most {separation:.3g} in log-prob on this probe, too "
+                f"little to tell apart from engine rounding (floor {floor}); use a longer prompt, more tokens "
+                "(max_tokens=), or probe less often than every step"
+            )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", LoraSyncWarning)
+            return replace(self, atol=atol)
 
     @classmethod
-    def from_model(cls, model: Any, prompt_ids: Sequence[int], *, max_tokens: int = 8, atol: float = 0.05) -> Probe:
-        """Record ``model``'s greedy continuation (a HF causal LM, e.g. the trainer's PEFT model)."""
+    def from_model(
+        cls,
+        model: Any,
+        prompt_ids: Sequence[int],
+        *,
+        max_tokens: int = 8,
+        atol: float = 0.05,
+        previous: Any = None,
+        strict: bool = False,
+    ) -> Probe:
+        """Record ``model``'s greedy continuation (a HF causal LM, e.g. the trainer's PEFT model).
+
+        Args:
+            model: the model of the version being published.
+            prompt_ids (`Sequence[int]`): the prompt.
+            max_tokens (`int`, defaults to 8): tokens to decode.
+            atol (`float`, defaults to 0.05): allowed log-prob difference.
+            previous (*optional*): the previous version's model (or a callable with the same
+                forward); its log-probs of the same tokens become ``previous_logprobs``.
+            strict (`bool`, defaults to `False`): return :meth:`strict` of the probe.
+
+        Returns:
+            `Probe`: the expectation.
+
+        Raises:
+            ConfigError: ``strict`` without ``previous``, or versions too close (see :meth:`strict`).
+        """
+        if strict and previous is None:
+            raise ConfigError("strict=True needs previous= (the previous version's model)")
         ids = torch.tensor([list(prompt_ids)])
         tokens: list[int] = []
         logprobs: list[float] = []
@@ -59,7 +180,17 @@ class Probe:
                 tokens.append(tok)
                 logprobs.append(float(lp[tok]))
                 ids = torch.cat([ids, torch.tensor([[tok]])], dim=1)
-        return cls(tuple(prompt_ids), tuple(tokens), tuple(logprobs), atol)
+        before = None
+        if previous is not None:
+            with torch.no_grad():
+                # One teacher-forced pass: the previous version's log-prob of each token chosen.
+                rows = torch.log_softmax(previous(input_ids=ids[:, :-1]).logits[0].float(), dim=-1)[len(prompt_ids) - 1 :]
+            before = tuple(float(rows[i, t]) for i, t in enumerate(tokens))
+        with warnings.catch_warnings():
+            if strict:
+                warnings.simplefilter("ignore", LoraSyncWarning)  # strict() fixes what it warns about
+            probe = cls(tuple(prompt_ids), tuple(tokens), tuple(logprobs), atol, before)
+        return probe.strict() if strict else probe
 
     def mismatch(self, ids: Sequence[int], logprobs: Sequence[float] | None) -> str | None:
         """Why the engine's answer differs from the expectation; None if it matches."""

@@ -51,3 +51,17 @@ def test_good_names_and_served_round_trip(tmp_path):
     assert validate_version("7") == 7
     assert parse_served_name("tiny") is None
     assert parse_served_name("../x@v1") is None
+
+
+@pytest.mark.parametrize(
+    "foreign",
+    ["q@v0000000000000000007", "q@v07", "q@v00", "p@v99999999999999999999", "p@v1000000000000000", "p@v-1",
+     "p@v+3", "p@v 3", "p@v3 ", "p@v٣", "p@v", "p@v3@v4x", None, 7, b"p@v3"],
+)  # fmt: skip
+def test_only_canonical_served_names_are_lorasyncs(foreign):
+    assert parse_served_name(foreign) is None
+
+
+def test_every_version_lorasync_writes_parses_back():
+    for version in (0, 1, 9, 10, 999, 10**15 - 1):
+        assert parse_served_name(served_name("p", version)) == ("p", version)

@@ -7,25 +7,39 @@ sync ``httpx.Client``; ``_arun`` with an ``httpx.AsyncClient``. Both apply the s
 
 Responses are never assumed to be JSON: vLLM answers plain text with no content type, several
 routes answer an empty 200. Use :func:`body_json` / :func:`body_text`.
+
+``timeout=`` bounds a whole request (connect, send, headers and body together), not one socket
+read: a peer trickling a byte at a time cannot stretch it. The async client runs each attempt
+under ``asyncio.timeout``; the sync client's connections carry the attempt's deadline into
+every socket read and write (:class:`_DeadlineBackend`). With retries, a call therefore ends
+within about ``attempts * timeout`` plus the back-off.
+
+Secrets (the API key, a URL password) are checked before use and scrubbed from every error this
+module translates; a foreign exception that held one is not chained (its text would show it).
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import ssl
 import json
 import os
+import ssl
+import threading
+import time
 from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any, TypeVar
+from urllib.parse import unquote
 
+import httpcore
 import httpx
 
 from lorasync._retry import RetryableStatus, RetryPolicy
 from lorasync.engines._base import Engine
 from lorasync.errors import (
     AuthenticationError,
+    ConfigError,
     EngineError,
     EngineTimeoutError,
     EngineUnavailableError,
@@ -90,15 +104,21 @@ class HTTPEngine(Engine):
         transport: httpx.BaseTransport | None = None,
         async_transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
-        parsed = httpx.URL(url)
         # Credentials in the URL travel only as an Authorization header: ``url`` (shown in reprs,
         # errors, reports and logs) never holds them.
-        self._auth = httpx.BasicAuth(parsed.username, parsed.password) if parsed.userinfo else None
-        self.url = str(parsed.copy_with(userinfo=b"") if parsed.userinfo else parsed).rstrip("/")
+        bare, user, password = _split_userinfo(url)
+        self._auth = httpx.BasicAuth(user, password) if user is not None else None
+        self.url = bare.rstrip("/")
         self.retry = RetryPolicy.from_value(retries)
-        self.timeout = timeout
-        key = api_key if api_key is not None else (os.environ.get(self.api_key_env) if self.api_key_env else None)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ConfigError(f"timeout must be a positive number of seconds per request, got {timeout!r}")
+        self.timeout = float(timeout)
+        from_env = api_key is None
+        key = api_key if not from_env else (os.environ.get(self.api_key_env) if self.api_key_env else None)
+        key = _clean_key(key, f"${self.api_key_env}" if from_env else "api_key=")
         self._headers = {"Authorization": f"Bearer {key}"} if key else {}
+        # Longest first, so a secret containing another is replaced whole.
+        self._secrets = tuple(sorted({v for v in (key, password) if v}, key=len, reverse=True))
         self._transport = transport
         self._async_transport = async_transport
         self._client: httpx.Client | None = None
@@ -122,6 +142,10 @@ class HTTPEngine(Engine):
                     call = op.send(response)
         except StopIteration as stop:
             return stop.value  # type: ignore[no-any-return]
+        except EngineError as exc:  # the operation's own errors may quote a response body
+            if any(secret in exc.message for secret in self._secrets):
+                raise self._scrubbed(exc, exc.__cause__) from None
+            raise
 
     async def _arun(self, op: Operation[T], *, adapter: str | None = None) -> T:
         try:
@@ -135,6 +159,10 @@ class HTTPEngine(Engine):
                     call = op.send(response)
         except StopIteration as stop:
             return stop.value  # type: ignore[no-any-return]
+        except EngineError as exc:  # the operation's own errors may quote a response body
+            if any(secret in exc.message for secret in self._secrets):
+                raise self._scrubbed(exc, exc.__cause__) from None
+            raise
 
     def _send(self, call: Call, adapter: str | None) -> httpx.Response:
         client = self._sync_client()
@@ -144,10 +172,14 @@ class HTTPEngine(Engine):
             for attempt in policy.retrying():
                 with attempt:
                     attempts += 1
-                    response = client.request(call.method, call.path, json=call.json, params=call.params)
+                    _DEADLINE.at = time.monotonic() + self.timeout  # read by _DeadlineStream
+                    try:
+                        response = client.request(call.method, call.path, json=call.json, params=call.params)
+                    finally:
+                        _DEADLINE.at = None
                     self._raise_retryable(response)
         except Exception as exc:  # translated below
-            raise self._translate(exc, call, adapter, attempts) from exc
+            raise self._scrubbed(self._translate(exc, call, adapter, attempts), exc)  # noqa: B904 - chained there
         return self._checked(response, call, adapter, attempts)
 
     async def _asend(self, call: Call, adapter: str | None) -> httpx.Response:
@@ -158,11 +190,42 @@ class HTTPEngine(Engine):
             async for attempt in policy.async_retrying():
                 with attempt:
                     attempts += 1
-                    response = await client.request(call.method, call.path, json=call.json, params=call.params)
+                    try:
+                        async with asyncio.timeout(self.timeout) as limit:
+                            response = await client.request(call.method, call.path, json=call.json, params=call.params)
+                    except TimeoutError as exc:
+                        if not limit.expired():
+                            raise
+                        # As httpx reports its own timeouts, so retries and errors treat it alike.
+                        raise httpx.ReadTimeout(f"no complete answer within {self.timeout}s") from exc
                     self._raise_retryable(response)
         except Exception as exc:
-            raise self._translate(exc, call, adapter, attempts) from exc
+            raise self._scrubbed(self._translate(exc, call, adapter, attempts), exc)  # noqa: B904 - chained there
         return self._checked(response, call, adapter, attempts)
+
+    def _scrub(self, text: str) -> str:
+        """``text`` with every secret of this client replaced by ``***``."""
+        for secret in self._secrets:
+            text = text.replace(secret, "***")
+        return text
+
+    def _scrubbed(self, error: EngineError, cause: BaseException | None) -> EngineError:
+        """``error`` with secrets removed from its message and context, chained to ``cause``
+        only when no secret shows in the cause's text either."""
+        if not self._secrets:
+            error.__cause__ = cause
+            return error
+        if any(secret in error.message for secret in self._secrets):
+            error.message = self._scrub(error.message)
+            error.args = (error.message,)
+        for key, value in list(error.context.items()):
+            if isinstance(value, str) and value != self._scrub(value):
+                error.context[key] = self._scrub(value)
+                setattr(error, key, error.context[key])
+        leaks = cause is not None and any(secret in text for secret in self._secrets for text in (str(cause), repr(cause.args)))
+        error.__cause__ = None if leaks else cause
+        error.__suppress_context__ = True
+        return error
 
     def _raise_retryable(self, response: httpx.Response) -> None:
         if self.retry.should_retry_status(response.status_code):
@@ -256,7 +319,14 @@ class HTTPEngine(Engine):
 
     def _sync_client(self) -> httpx.Client:
         if self._client is None:
-            self._client = httpx.Client(transport=self._transport, **self._client_options())
+            transport = self._transport
+            if transport is None:
+                # httpx's own transport, its connections given the attempt's total deadline.
+                # A caller's transport= (tests, custom I/O) is used as it is.
+                transport = httpx.HTTPTransport(verify=_ssl_context())
+                pool = transport._pool  # httpx exposes no network_backend= option
+                pool._network_backend = _DeadlineBackend(pool._network_backend)
+            self._client = httpx.Client(transport=transport, **self._client_options())
         return self._client
 
     def _async_client(self) -> httpx.AsyncClient:
@@ -291,3 +361,114 @@ def _ssl_context() -> ssl.SSLContext:
     """One default SSL context per process: building one loads the CA bundle (16-33 ms here),
     and every new event loop needs a new AsyncClient."""
     return httpx.create_ssl_context()
+
+
+def _clean_key(key: str | None, origin: str) -> str | None:
+    """The API key without the whitespace a key file or ``echo`` leaves around it.
+
+    Raises:
+        ConfigError: control or non-ASCII characters inside the key (the key is not shown).
+    """
+    if key is None:
+        return None
+    key = key.strip()
+    if any(not (0x21 <= ord(c) <= 0x7E) for c in key):
+        raise ConfigError(
+            f"the API key from {origin} contains spaces, control or non-ASCII characters inside it (not shown); "
+            "pass the exact key the server was started with (--api-key), one line, no quotes"
+        )
+    return key or None
+
+
+def _split_userinfo(url: str) -> tuple[str, str | None, str | None]:
+    """``(url without credentials, user, password)``; user/password percent-decoded.
+
+    The credentials end at the last ``@`` of the authority, so a password may hold ``#``, ``/``,
+    ``?`` or ``@`` unencoded (a standard parser would end the authority early and take part of the
+    password for a host or port). A base URL with ``@`` in its path is not supported.
+
+    Raises:
+        ConfigError: a URL that is still invalid once the credentials are out (never shown
+            with them).
+    """
+    if not isinstance(url, str) or not url:
+        raise ConfigError(f"engine URL must be a non-empty string such as 'http://127.0.0.1:8000', got {url!r}")
+    scheme, sep, rest = url.partition("://")
+    user = password = None
+    if sep and "@" in rest:
+        userinfo, _, rest = rest.rpartition("@")
+        name, colon, secret = userinfo.partition(":")
+        user, password = unquote(name), (unquote(secret) if colon else "")
+        url = f"{scheme}://{rest}"
+    try:
+        parsed = httpx.URL(url)
+    except (httpx.InvalidURL, TypeError, ValueError) as exc:
+        shown = str(exc).replace(password, "***") if password else str(exc)
+        raise ConfigError(
+            f"invalid engine URL {url!r} ({shown}); use http://host:port (credentials, if any, as user:password@)"
+        ) from None
+    if parsed.userinfo:  # only possible without "://" handling above: keep it out of the URL
+        user, password = parsed.username, parsed.password
+        parsed = parsed.copy_with(userinfo=b"")
+    return str(parsed), user, password
+
+
+class _Deadline(threading.local):
+    at: float | None = None  # time.monotonic() by which the current attempt must be done
+
+
+_DEADLINE = _Deadline()
+
+
+def _left(timeout: float | None) -> float | None:
+    """``timeout`` shortened to what is left of the current attempt's deadline.
+
+    Raises:
+        httpcore.ReadTimeout: the deadline has passed (httpx reports it as ``ReadTimeout``).
+    """
+    at = _DEADLINE.at
+    if at is None:
+        return timeout
+    left = at - time.monotonic()
+    if left <= 0:
+        raise httpcore.ReadTimeout("the request's total deadline passed")
+    return left if timeout is None else min(timeout, left)
+
+
+class _DeadlineStream(httpcore.NetworkStream):
+    """A connection whose every read and write waits at most until the attempt's deadline."""
+
+    def __init__(self, stream: httpcore.NetworkStream) -> None:
+        self._stream = stream
+
+    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        return self._stream.read(max_bytes, _left(timeout))
+
+    def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        self._stream.write(buffer, _left(timeout))
+
+    def close(self) -> None:
+        self._stream.close()
+
+    def start_tls(self, ssl_context: ssl.SSLContext, server_hostname: str | None = None, timeout: float | None = None) -> httpcore.NetworkStream:
+        return _DeadlineStream(self._stream.start_tls(ssl_context, server_hostname, _left(timeout)))
+
+    def get_extra_info(self, info: str) -> Any:
+        return self._stream.get_extra_info(info)
+
+
+class _DeadlineBackend(httpcore.NetworkBackend):
+    """httpcore's sync backend, its connections wrapped in :class:`_DeadlineStream`."""
+
+    def __init__(self, backend: httpcore.NetworkBackend) -> None:
+        self._backend = backend
+
+    def connect_tcp(self, host: str, port: int, timeout: float | None = None, local_address: str | None = None,
+                    socket_options: Any = None) -> httpcore.NetworkStream:  # fmt: skip
+        return _DeadlineStream(self._backend.connect_tcp(host, port, _left(timeout), local_address, socket_options))
+
+    def connect_unix_socket(self, path: str, timeout: float | None = None, socket_options: Any = None) -> httpcore.NetworkStream:
+        return _DeadlineStream(self._backend.connect_unix_socket(path, _left(timeout), socket_options))
+
+    def sleep(self, seconds: float) -> None:
+        self._backend.sleep(seconds)

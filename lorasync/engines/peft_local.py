@@ -134,11 +134,15 @@ class PeftEngine(Engine):
         )
 
     def load_adapter(self, name: str, path: str | os.PathLike[str]) -> None:
-        """Load the PEFT adapter directory ``path`` under ``name`` through PEFT's own loader.
+        """Load the PEFT adapter directory ``path`` under ``name``.
 
-        The directory is validated first (safetensors only, complete A/B pairs, rank), then read
-        by ``PeftModel.load_adapter``. Once this returns, the adapter serves; the files may be
-        deleted (nothing is read from them later).
+        The directory is read and validated by ``Adapter.load`` (safetensors only, complete A/B
+        pairs, rank, no config field that changes the math unsupported), and the layers are
+        built from that validated Adapter alone, exactly as :meth:`load_adapter_tensors` does:
+        one LoRA layer per module the file holds, nothing else from ``adapter_config.json``.
+        PEFT's own directory loader would also honour fields such as ``init_lora_weights``
+        (PiSSA rewrites the base weights) or give targeted modules without weights random
+        factors. Once this returns, the adapter serves; the files may be deleted.
 
         Raises:
             AdapterAlreadyLoadedError: ``name`` is loaded (unload it first).
@@ -168,10 +172,7 @@ class PeftEngine(Engine):
                     adapter=name,
                     path=str(directory),
                 ) from exc
-            self._preflight(name, adapter)
-            with self._translate("load", name):
-                peft_config = _read_peft_config(directory)
-            self._add(name, peft_config, lambda peft, slot: peft.load_adapter(str(directory), adapter_name=slot))
+            self._load_validated(name, adapter)
 
     def load_adapter_tensors(self, name: str, adapter: Adapter) -> None:
         """Load ``adapter`` under ``name`` from its tensors, without files.
@@ -184,15 +185,14 @@ class PeftEngine(Engine):
         """
         with self._lock:
             self._check_new_name(name)
-            self._preflight(name, adapter)
-            from peft import set_peft_model_state_dict
+            self._load_validated(name, adapter)
 
-            tensors = dict(adapter.tensors)
-            self._add(
-                name,
-                adapter.config.to_peft(),
-                lambda peft, slot: set_peft_model_state_dict(peft, tensors, adapter_name=slot),
-            )
+    def _load_validated(self, name: str, adapter: Adapter) -> None:
+        self._preflight(name, adapter)
+        from peft import set_peft_model_state_dict
+
+        tensors = dict(adapter.tensors)
+        self._add(name, _peft_config(adapter), lambda peft, slot: set_peft_model_state_dict(peft, tensors, adapter_name=slot))
 
     def replace_adapter(self, name: str, path: str | os.PathLike[str]) -> None:
         """Atomically make ``name`` serve the adapter directory ``path`` (loads it if absent).
@@ -232,7 +232,7 @@ class PeftEngine(Engine):
 
             tensors = dict(adapter.tensors)
             staging = f"{name}\0next"  # NUL: never a user's name
-            self._add(staging, adapter.config.to_peft(), lambda peft, slot: set_peft_model_state_dict(peft, tensors, adapter_name=slot))
+            self._add(staging, _peft_config(adapter), lambda peft, slot: set_peft_model_state_dict(peft, tensors, adapter_name=slot))
             new = self._slots.pop(staging)
             self._slots[name] = new
             with self._translate("replace", name):
@@ -537,12 +537,13 @@ class PeftEngine(Engine):
             raise failed(f"peft engine I/O failed during {op}: {exc}", engine=self.kind, adapter=adapter) from exc
 
 
-def _read_peft_config(directory: Path) -> Any:
-    """The adapter's ``LoraConfig`` as PEFT itself reads it, frozen for inference."""
-    from peft import LoraConfig
-
-    config = LoraConfig.from_pretrained(str(directory))
-    config.inference_mode = True
+def _peft_config(adapter: Adapter) -> Any:
+    """The ``LoraConfig`` the engine injects ``adapter`` with: its validated rank, alpha and
+    patterns, targeting exactly the module paths it holds weights for (a leaf name such as
+    ``v_proj`` would also wrap modules the adapter has no factors for), default init (the
+    factors are copied in right after; the base weights are never touched)."""
+    config = adapter.config.to_peft()
+    config.target_modules = set(adapter.modules)
     return config
 
 

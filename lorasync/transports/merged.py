@@ -6,14 +6,20 @@ of one publish that need the same buckets share one fold (:class:`~lorasync.tran
 earlier merge touched but this adapter does not get their pristine W0 back. The engine brackets
 the buckets (``begin/end_weight_update``) so requests never see half an update; if a bucket
 fails, the previous merge is pushed back before the error propagates.
+
+Cancellation (``asyncio.wait_for``, ``task.cancel``) is an exit path like any other: every engine
+step runs in a worker thread that a cancel cannot stop, so each step is waited for before the
+cancel goes on (:func:`_finish`); the roll-back and the end of the update run to completion even
+if cancelled again. The engine's update gate is therefore released on every path, and the engine
+serves either the previous merge or the new one, never a mix.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Iterator
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -26,6 +32,8 @@ if TYPE_CHECKING:
     from lorasync.engines._base import Capabilities, Engine
 
 __all__ = ["MergedTransport"]
+
+T = TypeVar("T")
 
 DEFAULT_BUCKET_BYTES = 256 * 1024 * 1024
 
@@ -74,19 +82,21 @@ class MergedTransport(Transport):
         return Delivery(served_name="", bytes_moved=moved, timings={"load": time.perf_counter() - start})
 
     async def _deliver(self, engine: Engine, adapter: Adapter, previous: Adapter | None, restore: set[str], caps: Capabilities, shared: Iterator[dict[str, torch.Tensor]] | None) -> int:
-        await engine.abegin_weight_update()
+        await _begin(engine)
         try:
             try:
-                return await self._push(engine, adapter, restore, caps, shared)
+                moved = await self._push(engine, adapter, restore, caps, shared)
             except BaseException:
                 if shared is not None:
                     _stop(shared)  # leave the shared fold: the other engines need not wait for us
                 # Put the engine back on the previous merge (or the pristine base) so it never
-                # serves half of this version.
-                await self._push(engine, previous, set(adapter.modules), caps)
+                # serves half of this version; a second cancel must not cut that short.
+                await _finish(self._push(engine, previous, set(adapter.modules), caps))
                 raise
+            self._merged[id(engine)] = adapter  # before the end: a cancel there keeps it true
         finally:
-            await engine.aend_weight_update()
+            await _finish(engine.aend_weight_update())
+        return moved
 
     async def _push(self, engine: Engine, adapter: Adapter | None, restore: set[str], caps: Capabilities, shared: Iterator[dict[str, torch.Tensor]] | None = None) -> int:
         buckets: Iterator[dict[str, torch.Tensor]] = shared if shared is not None else fold_buckets(
@@ -94,10 +104,12 @@ class MergedTransport(Transport):
         )
         moved = 0
         while True:
-            bucket = await asyncio.to_thread(next, buckets, None)
+            # A cancel lands between buckets, never while a fold or an update still runs in
+            # its thread (the roll-back would race it).
+            bucket = await _finish(asyncio.to_thread(next, buckets, None))
             if bucket is None:
                 return moved
-            await engine.aupdate_weights(bucket)
+            await _finish(engine.aupdate_weights(bucket))
             moved += sum(t.numel() * t.element_size() for t in bucket.values())
             del bucket
 
@@ -109,13 +121,46 @@ class MergedTransport(Transport):
         previous = self._merged.pop(id(engine), None)
         if previous is None:
             return 0
-        await engine.abegin_weight_update()
+        await _begin(engine)
         try:
-            return await self._push(engine, None, set(previous.modules), caps)
+            return await _finish(self._push(engine, None, set(previous.modules), caps))
         finally:
-            await engine.aend_weight_update()
+            await _finish(engine.aend_weight_update())
 
 
 def _stop(reader: Any) -> None:
     """Leave the shared fold (a reader still folding in a worker thread leaves when it ends)."""
     reader.close()
+
+
+async def _finish(awaitable: Awaitable[T]) -> T:
+    """Await ``awaitable`` to its end even if the caller is cancelled meanwhile; a cancel that
+    arrived is raised (``CancelledError``) once it has finished.
+
+    Raises:
+        asyncio.CancelledError: the caller was cancelled while it ran (it did complete).
+        Exception: whatever ``awaitable`` raised.
+    """
+    task = asyncio.ensure_future(awaitable)
+    cancelled = False
+    while True:
+        try:
+            result = await asyncio.shield(task)
+            break
+        except asyncio.CancelledError:
+            if task.done():  # the work itself was cancelled, not just the caller
+                raise
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    return result
+
+
+async def _begin(engine: Engine) -> None:
+    """``abegin_weight_update``; cancelled while it waits for the gate, the gate it then gets
+    is given back before the cancel goes on."""
+    try:
+        await _finish(engine.abegin_weight_update())
+    except asyncio.CancelledError:
+        await _finish(engine.aend_weight_update())
+        raise

@@ -19,6 +19,7 @@ import time
 import torch
 
 from . import _fuzz as fz
+from . import _hardening as hd
 from ._figures import table
 from ._harness import run_crash_soak, run_fault_matrix, run_inprocess_matrix, run_race
 from ._hostile import run_hostile
@@ -70,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     stale = step("stale", run_stale_unchanged)
     figures.update(stale=stale["cases"], stale_served=stale["cases"] - len(stale["violations"]))
     hardening = step("publisher", run_publisher_hardening)
-    figures.update(cancel_points=hardening["cancel_points"], disk_full=hardening["disk_full"], capacity_refusals=hardening["capacity"])
+    figures.update(publish_cancel_points=hardening["cancel_points"], disk_full=hardening["disk_full"], capacity_refusals=hardening["capacity"])
     if hardening["skipped"]:
         print(f"disk-full scenario: skipped ({hardening['skipped']})")
     if args.no_vllm:
@@ -81,6 +82,31 @@ def main(argv: list[str] | None = None) -> int:
             print(f"real-vLLM in-flight scenario: skipped ({inflight['skipped']})")
         else:
             figures.update(inflight_requests=inflight["requests"], inflight_lost=inflight["lost"], engine_deaths=inflight["deaths"])
+
+    foreign = step("foreign_names", hd.run_foreign_names)
+    figures.update(foreign_names=foreign["tried"], foreign_names_left=foreign["handled"])
+    untyped = step("untyped", hd.run_untyped)
+    figures.update(untyped=untyped["tried"], untyped_typed=untyped["handled"])
+    vanish = step("vanish", lambda: hd.run_vanishing(seconds=30.0 if soak else 6.0))
+    figures.update(vanish_loads=vanish["loads"], vanish_typed=vanish["handled"])
+    from ._hardening_peft import run_peft_configs  # lazy: builds a model
+
+    peft_configs = step("peft_configs", run_peft_configs)
+    figures.update(peft_configs=peft_configs["tried"], peft_configs_safe=peft_configs["handled"])
+    from ._hardening_cancel import run_merged_cancellation
+
+    cancels = step("cancel", run_merged_cancellation)
+    figures.update(cancel_points=cancels["tried"], cancel_released=cancels["handled"])
+    from ._hardening_http import run_secrets, run_trickle
+
+    trickle = step("trickle", run_trickle)
+    figures.update(trickle_calls=trickle["tried"], trickle_bounded=trickle["handled"], trickle_longest_s=str(trickle["longest"]))
+    secrets = step("secrets", run_secrets)
+    figures.update(secret_cases=secrets["tried"], secret_clean=secrets["handled"])
+    from ._hardening_probe import run_probe_power
+
+    power = step("probe", run_probe_power)
+    figures.update(probe_cases=power["tried"], probe_blind_default=power["blind_default"], probe_strict_ok=power["handled"])
 
     print(table(figures))
     print(f"{'wall time (s)':<50} {sum(timings.values()):>10.0f}")

@@ -11,7 +11,7 @@ from ._publisher_hardening import run_publisher_hardening
 
 def test_publisher_releases_everything_and_refuses_before_unloading() -> None:
     outcome = run_publisher_hardening()
-    record(cancel_points=outcome["cancel_points"], disk_full=outcome["disk_full"], capacity_refusals=outcome["capacity"])
+    record(publish_cancel_points=outcome["cancel_points"], disk_full=outcome["disk_full"], capacity_refusals=outcome["capacity"])
     assert outcome["violations"] == [], "\n".join(outcome["violations"])
     assert outcome["cancel_points"] >= 6 and outcome["capacity"] == 1
     if outcome["skipped"]:
