@@ -48,7 +48,9 @@ class Probe:
     @classmethod
     def from_model(cls, model: Any, prompt_ids: Sequence[int], *, max_tokens: int = 8, atol: float = 0.05) -> Probe:
         """Record ``model``'s greedy continuation (a HF causal LM, e.g. the trainer's PEFT model)."""
-        ids = torch.tensor([list(prompt_ids)])
+        # On the model's device: a trainer's model usually sits on its GPU.
+        device = next((p.device for p in model.parameters()), torch.device("cpu")) if hasattr(model, "parameters") else torch.device("cpu")
+        ids = torch.tensor([list(prompt_ids)], device=device)
         tokens: list[int] = []
         logprobs: list[float] = []
         with torch.no_grad():
@@ -58,7 +60,7 @@ class Probe:
                 tok = int(torch.argmax(lp))
                 tokens.append(tok)
                 logprobs.append(float(lp[tok]))
-                ids = torch.cat([ids, torch.tensor([[tok]])], dim=1)
+                ids = torch.cat([ids, torch.tensor([[tok]], device=device)], dim=1)
         return cls(tuple(prompt_ids), tuple(tokens), tuple(logprobs), atol)
 
     def mismatch(self, ids: Sequence[int], logprobs: Sequence[float] | None) -> str | None:
