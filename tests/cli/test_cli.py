@@ -156,3 +156,22 @@ def test_demo_reruns_against_the_same_vllm(capsys: pytest.CaptureFixture[str], v
             if served.startswith("demo-rerun"):
                 engine.unload_adapter(served)
         engine.close()
+
+
+def test_retries_are_logged_at_info(caplog: pytest.LogCaptureFixture) -> None:
+    import httpx
+
+    from lorasync import RetryPolicy
+
+    calls = []
+
+    def flaky() -> str:
+        calls.append(1)
+        if len(calls) < 3:
+            raise httpx.ConnectError("engine restarting")
+        return "ok"
+
+    with caplog.at_level("INFO", logger="lorasync"):
+        assert RetryPolicy(attempts=3, backoff=0.001, backoff_max=0.001, jitter=0.0).retrying()(flaky) == "ok"
+    lines = [r.getMessage() for r in caplog.records if r.name == "lorasync._retry"]
+    assert len(lines) == 2 and "ConnectError: engine restarting" in lines[0] and "retrying in" in lines[0]
