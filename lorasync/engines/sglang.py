@@ -38,6 +38,7 @@ from urllib.parse import urlsplit
 from lorasync._retry import RetryPolicy
 from lorasync.engines._base import Capabilities
 from lorasync.engines._http import Call, HTTPEngine, Operation, body_json, body_text
+from lorasync.engines._versions import check_engine_version
 from lorasync.errors import (
     AdapterAlreadyLoadedError,
     AdapterNotFoundError,
@@ -379,6 +380,7 @@ class SGLangEngine(HTTPEngine):
                 f"{body_text(response)[:200]!r}; is this an SGLang server?",
                 **self.error_context("/server_info", None, response),
             )
+        self._version_notes = check_engine_version("sglang", data.get("version"), url=self.url)  # refuses unknown majors
         if self._version is None:
             self._version = _parse_version(str(data.get("version") or DEFAULT_VERSION))
         return data
@@ -392,7 +394,7 @@ class SGLangEngine(HTTPEngine):
         lora = bool(info.get("enable_lora"))
         dp = int(info.get("dp_size") or 1)
         workers = int(info.get("tokenizer_worker_num") or 1)
-        notes = [f"sglang {'.'.join(map(str, version))}"]
+        notes = [f"sglang {'.'.join(map(str, version))}", *getattr(self, "_version_notes", [])]
         if info.get("max_loras_per_batch") is not None:
             notes.append(f"max_loras_per_batch={info['max_loras_per_batch']} (GPU slots, base model included)")
         if lora and info.get("max_lora_rank") is None:

@@ -37,6 +37,7 @@ from lorasync._retry import RetryPolicy
 from lorasync.transports._d2h import to_shm_segment
 from lorasync.engines._base import Capabilities
 from lorasync.engines._http import Call, HTTPEngine, Operation, body_json, body_text
+from lorasync.engines._versions import check_engine_version
 from lorasync.errors import (
     AdapterAlreadyLoadedError,
     AdapterNotFoundError,
@@ -358,6 +359,7 @@ class VLLMEngine(HTTPEngine):
             "load_inplace re-reads the adapter files on every step (vLLM 0.32); versioned names are used instead",
             "keep adapter files until their name is unloaded: an evicted adapter is re-read from disk",
         ]
+        notes += check_engine_version("vllm", version, url=self.url)  # refuses an unknown major version
         if not isinstance(config, dict):
             notes.append(
                 "max rank/slots not exposed (start the server with VLLM_SERVER_DEV_MODE=1, or pass max_rank=)"
