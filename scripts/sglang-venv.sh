@@ -8,12 +8,14 @@
 #
 # Facts this relies on (see docs/engines/sglang.md): `sglang` is installed with --no-deps (its
 # full dependency set is GPU kernels), followed by what `sglang.srt.entrypoints.http_server`
-# imports. torch and torchvision must be a matching pair (2.14.1 / 0.29.1); the CPU
-# torch 2.13.0 with PyPI's torchvision fails to import.
+# imports. torch is the CPU wheel on local disk (2.13.0+cpu): PyPI's torch 2.14.1 drags in
+# about 3 GB of nvidia-* CUDA libraries a CPU box never loads. torchvision is left out: nothing
+# the HTTP layer imports needs it, and PyPI's torchvision only imports next to its own torch.
+# Set LORASYNC_SGLANG_TORCH=2.14.1 LORASYNC_SGLANG_TORCHVISION=0.29.1 for the old CUDA pair.
 set -euo pipefail
 SGLANG_VERSION="${LORASYNC_SGLANG_VERSION:-0.5.23}"
-TORCH_VERSION="${LORASYNC_SGLANG_TORCH:-2.14.1}"
-TORCHVISION_VERSION="${LORASYNC_SGLANG_TORCHVISION:-0.29.1}"
+TORCH_VERSION="${LORASYNC_SGLANG_TORCH:-2.13.0}"
+TORCHVISION_VERSION="${LORASYNC_SGLANG_TORCHVISION:-}"
 cache="${LORASYNC_ENGINE_CACHE:-$HOME/.cache/lorasync}"
 venv="$cache/sglang-$SGLANG_VERSION"
 py="$venv/bin/python"
@@ -26,22 +28,37 @@ if [ -f "$venv/.ready" ] && "$py" -c "$probe" >/dev/null 2>&1; then
 fi
 
 echo "building SGLang venv at $venv" >&2
-# pip warns about every local index folder it skips; keep real errors visible.
-quiet() { "$@" 2>&1 | grep -v "is ignored: it is neither" >&2 || true; }
+# pip warns about every local index folder it skips, and its resolver lists every GPU
+# dependency of the --no-deps sglang as missing (expected here, and not an error); keep
+# everything else visible.
+quiet() {
+  "$@" 2>&1 | grep -v -E "is ignored: it is neither|dependency resolver does not currently take into account|^sglang [0-9.]+ requires " >&2 || true
+}
 rm -rf "$venv"
 mkdir -p "$cache"
 python3 -m venv "$venv"
 quiet "$py" -m pip install -q --upgrade pip
-quiet "$py" -m pip install -q "torch==$TORCH_VERSION" "torchvision==$TORCHVISION_VERSION"
+torch_pins=("torch==$TORCH_VERSION")
+if [ -n "$TORCHVISION_VERSION" ]; then torch_pins+=("torchvision==$TORCHVISION_VERSION"); fi
+step() { echo "[sglang-venv] $*" >&2; }
+step "1/4 torch ${torch_pins[*]}"
+quiet "$py" -m pip install -q "${torch_pins[@]}"
+step "2/4 sglang $SGLANG_VERSION (no deps)"
 quiet "$py" -m pip install -q --no-deps "sglang==$SGLANG_VERSION"
+step "3/4 what sglang's HTTP layer and lorasync import (a few minutes)"
 # Import-time needs of sglang.srt.entrypoints.http_server, plus what lorasync and its
 # contract server import (httpx, tenacity, safetensors, peft).
 quiet "$py" -m pip install -q \
-  "torch==$TORCH_VERSION" "torchvision==$TORCHVISION_VERSION" "transformers==5.19.0" \
+  "${torch_pins[@]}" "transformers==5.19.0" \
   numpy orjson psutil pybase64 requests triton packaging pillow starlette msgspec pydantic \
   pyzmq tqdm ipython aiohttp dill apache-tvm-ffi sentencepiece compressed-tensors gguf openai \
   partial-json-parser uvicorn uvloop fastapi setproctitle einops jsonschema xgrammar soundfile \
   python-multipart httpx tenacity safetensors "peft>=0.15"
+step "4/4 checking the imports"
 "$py" -c "$probe; import sglang; print('sglang', sglang.__version__)" >&2
+if ls "$venv"/lib/python*/site-packages | grep -q '^nvidia'; then
+  echo "[sglang-venv] warning: CUDA libraries (nvidia-*) were installed; some dependency asked for a CUDA torch" >&2
+fi
+step "ready: $(du -sh "$venv" | cut -f1) at $venv"
 touch "$venv/.ready"
 echo "$py"
