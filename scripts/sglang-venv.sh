@@ -8,14 +8,16 @@
 #
 # Facts this relies on (see docs/engines/sglang.md): `sglang` is installed with --no-deps (its
 # full dependency set is GPU kernels), followed by what `sglang.srt.entrypoints.http_server`
-# imports. torch is the CPU wheel on local disk (2.13.0+cpu): PyPI's torch 2.14.1 drags in
-# about 3 GB of nvidia-* CUDA libraries a CPU box never loads. torchvision is left out: nothing
-# the HTTP layer imports needs it, and PyPI's torchvision only imports next to its own torch.
-# Set LORASYNC_SGLANG_TORCH=2.14.1 LORASYNC_SGLANG_TORCHVISION=0.29.1 for the old CUDA pair.
+# imports. torch and torchvision must be a matching pair (2.14.1 / 0.29.1): sglang's HTTP layer
+# imports torchvision (sglang/srt/multimodal/internvl_utils.py), and PyPI's torchvision only
+# loads next to its own CUDA torch ("operator torchvision::nms does not exist" with the local
+# CPU torch 2.13.0+cpu; no CPU torchvision is on local disk). That pair pulls about 3.2 GB of
+# nvidia-* libraries a CPU box never loads (6.1 GB venv). With a CPU torchvision on the index,
+# LORASYNC_SGLANG_TORCH=2.13.0 LORASYNC_SGLANG_TORCHVISION=<its version> avoids them.
 set -euo pipefail
 SGLANG_VERSION="${LORASYNC_SGLANG_VERSION:-0.5.23}"
-TORCH_VERSION="${LORASYNC_SGLANG_TORCH:-2.13.0}"
-TORCHVISION_VERSION="${LORASYNC_SGLANG_TORCHVISION:-}"
+TORCH_VERSION="${LORASYNC_SGLANG_TORCH:-2.14.1}"
+TORCHVISION_VERSION="${LORASYNC_SGLANG_TORCHVISION:-0.29.1}"
 cache="${LORASYNC_ENGINE_CACHE:-$HOME/.cache/lorasync}"
 venv="$cache/sglang-$SGLANG_VERSION"
 py="$venv/bin/python"
@@ -57,7 +59,7 @@ quiet "$py" -m pip install -q \
 step "4/4 checking the imports"
 "$py" -c "$probe; import sglang; print('sglang', sglang.__version__)" >&2
 if ls "$venv"/lib/python*/site-packages | grep -q '^nvidia'; then
-  echo "[sglang-venv] warning: CUDA libraries (nvidia-*) were installed; some dependency asked for a CUDA torch" >&2
+  echo "[sglang-venv] note: $(du -sch "$venv"/lib/python*/site-packages/nvidia* 2>/dev/null | tail -1 | cut -f1) of nvidia-* CUDA libraries came with torch $TORCH_VERSION (see this script's header)" >&2
 fi
 step "ready: $(du -sh "$venv" | cut -f1) at $venv"
 touch "$venv/.ready"

@@ -12,6 +12,8 @@ New files under docs/ are picked up automatically. One test per fenced block, na
   ``.venv/bin/`` meaning this test's Python environment, ``/tmp/`` a fresh temp directory and
   port 8000 a free port (so a server a block starts collides with nothing); whatever the block
   leaves running is killed with its process group.
+  A block that installs packages (``pip install``) fails instead of running: it would change
+  the suite's own environment, so it must be marked ``skip``.
 * ``toml``/``json``: parsed. ``text``: not code (output, diagrams). A fence with no language
   fails: say ``text`` when it is not code.
 
@@ -24,7 +26,8 @@ Markers, an HTML comment on the line right before the fence (visible in the doc 
   ``http://127.0.0.1:8000`` in the block means that server, and every adapter is unloaded from
   it after the block.
 
-In every block ``/models/base`` means the tiny base checkpoint.
+In every block ``/models/base`` means the tiny base checkpoint, and the disk transport's default
+root is the block's own temp dir (tests never write to the shared ``/dev/shm/lorasync``).
 """
 
 from __future__ import annotations
@@ -147,7 +150,7 @@ def _context(base_dir: Path) -> dict[str, Any]:
         optim.step()
         optim.zero_grad()
         model.eval()
-        return float(loss)
+        return float(loss.detach())
 
     return {"peft_model": model, "train_step": train_step, "prompt_ids": [11, 42, 77], "step": 1, "steps": 3, "rank": 0, "base_dir": str(base_dir)}
 
@@ -165,7 +168,7 @@ def test_doc_block(block: Block, request: pytest.FixtureRequest, namespaces: dic
     if skip is not None:
         if not skip:
             pytest.fail(f"{block.id}: 'docs-test: skip' needs a reason: <!-- docs-test: skip: WHY -->")
-        pytest.skip(skip)
+        pytest.skip(f"{block.id}: {skip}")
     if not block.lang:
         pytest.fail(f"{block.id}: a fence without a language; write ```python/```bash to run it or ```text when it is not code")
     if block.lang in NOT_CODE:
@@ -184,6 +187,11 @@ def test_doc_block(block: Block, request: pytest.FixtureRequest, namespaces: dic
     if _marker(block, "vllm") is not None:
         vllm_url = request.getfixturevalue("vllm_server").url
     code = _substitute(block.code, base_dir=base_dir, tmp=tmp_path, vllm_url=vllm_url)
+    # Tests never write to the shared default store root (/dev/shm/lorasync): blocks that use
+    # the default root get this block's temp dir.
+    store = pytest.importorskip("lorasync.transports._store")
+    if hasattr(store, "default_root"):
+        request.getfixturevalue("monkeypatch").setattr(store, "default_root", lambda: tmp_path / "store")
     try:
         if block.lang in RUN_PYTHON:
             ns = namespaces.setdefault(block.path, {"__name__": f"docs_{block.path.stem}", **_context(base_dir)})
@@ -208,8 +216,15 @@ def _reset_engine(url: str) -> None:
         engine.close()
 
 
+INSTALLS = re.compile(r"(^|[\s;&|(])(pip|pip3|uv)\s+(install|uninstall)\b|-m\s+pip\s+(install|uninstall)\b")
+
+
 def _run_bash(block: Block, code: str, tmp: Path) -> None:
     from lorasync.testing.vllm_server import free_port
+
+    if INSTALLS.search(code):
+        # It would change the environment the suite itself runs in.
+        pytest.fail(f"{block.id} installs packages; mark it <!-- docs-test: skip: installs into the environment -->")
 
     bindir = Path(sys.executable).parent
     port = str(free_port())  # a server a block starts never collides with another one
@@ -220,7 +235,7 @@ def _run_bash(block: Block, code: str, tmp: Path) -> None:
     # killed with it.
     proc = subprocess.Popen(["bash", "-euo", "pipefail", "-c", code], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        out, err = proc.communicate(timeout=900)
+        out, err = proc.communicate(timeout=600)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
