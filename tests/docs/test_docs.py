@@ -12,8 +12,9 @@ New files under docs/ are picked up automatically. One test per fenced block, na
   ``.venv/bin/`` meaning this test's Python environment, ``/tmp/`` a fresh temp directory and
   port 8000 a free port (so a server a block starts collides with nothing); whatever the block
   leaves running is killed with its process group.
-  A block that installs packages (``pip install``) fails instead of running: it would change
-  the suite's own environment, so it must be marked ``skip``.
+  A block that installs packages (``pip install``) or runs the tests (``pytest``,
+  ``scripts/test.sh``) fails instead of running: it would change the suite's own environment
+  or run the suite inside itself, so it must be marked ``skip``.
 * ``toml``/``json``: parsed. ``text``: not code (output, diagrams). A fence with no language
   fails: say ``text`` when it is not code.
 
@@ -219,12 +220,17 @@ def _reset_engine(url: str) -> None:
 INSTALLS = re.compile(r"(^|[\s;&|(])(pip|pip3|uv)\s+(install|uninstall)\b|-m\s+pip\s+(install|uninstall)\b")
 
 
+RUNS_TESTS = re.compile(r"-m\s+pytest\b|(^|[\s;&|(])pytest\s|scripts/test\.sh")
+
+
 def _run_bash(block: Block, code: str, tmp: Path) -> None:
     from lorasync.testing.vllm_server import free_port
 
     if INSTALLS.search(code):
         # It would change the environment the suite itself runs in.
         pytest.fail(f"{block.id} installs packages; mark it <!-- docs-test: skip: installs into the environment -->")
+    if RUNS_TESTS.search(code):
+        pytest.fail(f"{block.id} runs the test suite inside the test suite; mark it <!-- docs-test: skip: runs tests that CI runs anyway -->")
 
     bindir = Path(sys.executable).parent
     port = str(free_port())  # a server a block starts never collides with another one
