@@ -175,3 +175,16 @@ def test_retries_are_logged_at_info(caplog: pytest.LogCaptureFixture) -> None:
         assert RetryPolicy(attempts=3, backoff=0.001, backoff_max=0.001, jitter=0.0).retrying()(flaky) == "ok"
     lines = [r.getMessage() for r in caplog.records if r.name == "lorasync._retry"]
     assert len(lines) == 2 and "ConnectError: engine restarting" in lines[0] and "retrying in" in lines[0]
+
+
+def test_vllm_worker_extension_imports_without_peft_or_transformers() -> None:
+    # The engine's own venv need not have them: block both and import the extension.
+    out = _fresh_python(
+        "import builtins, sys\nreal = builtins.__import__\n"
+        "def guard(name, *a, **k):\n"
+        "    if name.split('.')[0] in ('peft', 'transformers'):\n        raise ImportError('blocked ' + name)\n"
+        "    return real(name, *a, **k)\n"
+        "builtins.__import__ = guard\nimport lorasync.engines.vllm_worker\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('peft', 'transformers')))"
+    )
+    assert out.strip() == "[]"
