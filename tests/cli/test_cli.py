@@ -188,3 +188,22 @@ def test_vllm_worker_extension_imports_without_peft_or_transformers() -> None:
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('peft', 'transformers')))"
     )
     assert out.strip() == "[]"
+
+
+def test_bench_without_matplotlib_writes_json_and_markdown(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    import builtins
+    import importlib.util
+
+    real_find, real_import = importlib.util.find_spec, builtins.__import__
+
+    def no_mpl_import(name: str, *args: Any, **kwargs: Any) -> Any:
+        if name.split(".")[0] == "matplotlib":
+            raise ImportError("matplotlib is not installed")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name.split(".")[0] == "matplotlib" else real_find(name, *a))
+    monkeypatch.setattr(builtins, "__import__", no_mpl_import)
+    out = tmp_path / "bench"
+    assert main(["bench", "bytes", "--quick", "--shape", "tiny", "--rank", "2", "--out", str(out), "--no-progress", "--root", str(tmp_path / "shm")]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["bytes.json", "bytes.md"]
+    assert "pip install 'lorasync[bench]'" in capsys.readouterr().err
