@@ -31,10 +31,18 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     for name in SUBCOMMANDS:
         importlib.import_module(f"lorasync.cli.{name}").register(sub)
+    _add_common_everywhere(sub)
+    return parser
+
+
+def _add_common_everywhere(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """--json/-q/-v on every subcommand, nested ones (``export megatron``) included."""
     for choice in sub.choices.values():
         add_common(choice)
         choice.epilog = choice.epilog or EPILOG
-    return parser
+        for action in choice._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                _add_common_everywhere(action)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -207,3 +207,8 @@ def test_bench_without_matplotlib_writes_json_and_markdown(monkeypatch: pytest.M
     assert main(["bench", "bytes", "--quick", "--shape", "tiny", "--rank", "2", "--out", str(out), "--no-progress", "--root", str(tmp_path / "shm")]) == 0
     assert sorted(p.name for p in out.iterdir()) == ["bytes.json", "bytes.md"]
     assert "pip install 'lorasync[bench]'" in capsys.readouterr().err
+
+
+def test_export_megatron_json(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, doc = _json(capsys, ["export", "megatron", "--shards", str(tmp_path / "none_{tp}.safetensors"), "--base-config", str(tmp_path), "--alpha", "16", "--out", str(tmp_path / "o"), "--json"])
+    assert code == 2 and doc["error"]["type"] == "MissingShardError"
