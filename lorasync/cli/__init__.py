@@ -8,6 +8,7 @@ here imports torch or httpx: ``lorasync --help`` and ``--version`` answer withou
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import sys
 
@@ -47,8 +48,18 @@ def _add_common_everywhere(sub: argparse._SubParsersAction) -> None:  # type: ig
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit code."""
+    from lorasync.cli import _common
+
     argv = sys.argv[1:] if argv is None else list(argv)
     Parser.json_requested = "--json" in argv
+    _common.json_stream = sys.stdout
+    try:
+        return _main(argv)
+    finally:
+        _common.json_stream = None
+
+
+def _main(argv: list[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     setup_logging(args)
@@ -58,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     from lorasync.errors import LoraSyncError
 
     try:
-        return int(args.func(args) or 0)
+        with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+            return int(args.func(args) or 0)
     except LoraSyncError as exc:
         code = exit_code_for(exc)
         if args.json:

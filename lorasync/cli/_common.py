@@ -102,10 +102,16 @@ def error_payload(exc: BaseException, code: int) -> dict[str, Any]:
     return {"ok": False, "exit_code": code, "error": {"type": type(exc).__name__, "message": str(exc)}}
 
 
+# Where the one JSON document goes. With --json, main() points sys.stdout at stderr while the
+# command runs, so a library that prints (DeepSpeed's accelerator banner, progress bars) cannot
+# corrupt the document.
+json_stream: Any = None
+
+
 def emit(payload: Any, *, as_json: bool, text: str | None = None, quiet: bool = False) -> None:
     """Print ``payload`` as JSON, or ``text`` for people (nothing with ``-q``)."""
     if as_json:
-        print(json.dumps(payload, indent=2, default=str))
+        print(json.dumps(payload, indent=2, default=str), file=json_stream or sys.stdout, flush=True)
     elif text is not None and not quiet:
         print(text)
 

@@ -170,6 +170,10 @@ class LoraSyncCallback(TrainerCallback):
             log.info("published %s to %d engine(s)", report.served_name, len(report.results))
             return
         if self.on_error == "raise":
+            # Training stops here and Trainer never calls on_train_end: release what we made.
+            if self._given is None:
+                self.publisher.close()
+                self.publisher = None
             report.raise_for_errors()
         log.warning("publish of %s failed on %d engine(s); they keep serving their previous version:\n%s", report.served_name, len(report.failed), report)
 

@@ -212,3 +212,11 @@ def test_bench_without_matplotlib_writes_json_and_markdown(monkeypatch: pytest.M
 def test_export_megatron_json(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     code, doc = _json(capsys, ["export", "megatron", "--shards", str(tmp_path / "none_{tp}.safetensors"), "--base-config", str(tmp_path), "--alpha", "16", "--out", str(tmp_path / "o"), "--json"])
     assert code == 2 and doc["error"]["type"] == "MissingShardError"
+
+
+def test_demo_against_an_unreachable_engine_fails_before_training(capsys: pytest.CaptureFixture[str]) -> None:
+    from lorasync.testing.vllm_server import free_port
+
+    code, doc = _json(capsys, ["demo", "--engine", f"vllm:http://127.0.0.1:{free_port()}", "--json"])
+    assert code == 3 and doc["error"]["type"] == "EngineUnavailableError"
+    assert "steps" not in doc  # no step ran

@@ -163,6 +163,7 @@ def test_failed_publish_raises_or_warns(tiny_model_dir: Path, tmp_path: Path, ca
     with pytest.raises(EngineUnavailableError):
         trainer.train()
     assert trainer.state.global_step == 1  # stopped at the first failed publish
+    assert raising.publisher is None  # the Publisher it made was closed on the way out
 
     warning = LoraSyncCallback([VLLMEngine(dead, retries=1, timeout=2)], root=tmp_path / "b", on_error="warn")
     trainer = Trainer(model=_peft_model(tiny_model_dir), args=TrainingArguments(**_args(tmp_path, max_steps=2)), train_dataset=_dataset(), callbacks=[warning])
