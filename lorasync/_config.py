@@ -181,7 +181,8 @@ class AdapterConfig:
         if data.get("modules_to_save"):
             raise ConfigError(
                 "modules_to_save would send full module copies as adapter weights, which engines "
-                "reject; publish them through the merged transport or drop them"
+                "reject (runtime LoRA serves A/B pairs only); train without modules_to_save: put those "
+                "modules in target_modules as LoRA, or keep them frozen"
             )
         targets = data.get("target_modules") or ()
         if isinstance(targets, str):

@@ -169,7 +169,9 @@ class Probe:
         """
         if strict and previous is None:
             raise ConfigError("strict=True needs previous= (the previous version's model)")
-        ids = torch.tensor([list(prompt_ids)])
+        # On the model's device: a trainer's model usually sits on its GPU.
+        device = next((p.device for p in model.parameters()), torch.device("cpu")) if hasattr(model, "parameters") else torch.device("cpu")
+        ids = torch.tensor([list(prompt_ids)], device=device)
         tokens: list[int] = []
         logprobs: list[float] = []
         with torch.no_grad():
@@ -179,7 +181,7 @@ class Probe:
                 tok = int(torch.argmax(lp))
                 tokens.append(tok)
                 logprobs.append(float(lp[tok]))
-                ids = torch.cat([ids, torch.tensor([[tok]])], dim=1)
+                ids = torch.cat([ids, torch.tensor([[tok]], device=device)], dim=1)
         before = None
         if previous is not None:
             with torch.no_grad():

@@ -7,6 +7,7 @@ backoff; every 4xx and any other status is final. Tests exercise the decisions w
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +17,16 @@ import tenacity
 from lorasync.errors import ConfigError
 
 __all__ = ["RetryPolicy", "RetryableStatus"]
+
+log = logging.getLogger(__name__)
+
+
+def _log_retry(state: tenacity.RetryCallState) -> None:
+    """tenacity ``before_sleep``: one INFO line per retry, naming the failure and the wait."""
+    outcome = state.outcome
+    error = outcome.exception() if outcome is not None else None
+    wait = state.next_action.sleep if state.next_action is not None else 0.0
+    log.info("attempt %d failed (%s: %s); retrying in %.2f s", state.attempt_number, type(error).__name__, error, wait)
 
 
 class RetryableStatus(Exception):
@@ -84,6 +95,7 @@ class RetryPolicy:
             "wait": tenacity.wait_exponential(multiplier=self.backoff, max=self.backoff_max)
             + tenacity.wait_random(0, self.jitter),
             "retry": tenacity.retry_if_exception(self.should_retry),
+            "before_sleep": _log_retry,
             "reraise": True,
         }
 

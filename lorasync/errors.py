@@ -29,6 +29,7 @@ Every message says what to do next.
     │   ├── EngineUnavailableError (ConnectionError)   unreachable, 5xx, retries spent
     │   │   └── EngineTimeoutError (TimeoutError)      no answer in time
     │   ├── EngineProtocolError              an answer lorasync cannot interpret
+    │   │   └── UnsupportedEngineVersionError  an engine major version lorasync does not know
     │   ├── AuthenticationError              401/403: wrong or missing API key
     │   ├── RuntimeLoraDisabledError         runtime LoRA routes are switched off
     │   ├── LoraNotEnabledError              the engine was started without LoRA
@@ -96,6 +97,7 @@ __all__ = [
     "UnknownEngineError",
     "UnknownModuleError",
     "UnsupportedDtypeError",
+    "UnsupportedEngineVersionError",
     "VerificationError",
     "WireFormatError",
 ]
@@ -230,6 +232,11 @@ class EngineTimeoutError(EngineUnavailableError, TimeoutError):
 
 class EngineProtocolError(EngineError):
     """The engine answered something lorasync cannot interpret."""
+
+
+class UnsupportedEngineVersionError(EngineProtocolError):
+    """The engine reports a major version lorasync has no protocol table for (it refuses to
+    guess). Context: ``version``, ``known``."""
 
 
 class AuthenticationError(EngineError):

@@ -1,17 +1,18 @@
 """The ``lorasync`` command line: demo, export, publish, inspect, bench.
 
 Each subcommand lives in its own module exposing ``register(subparsers)``; the parser sets
-``func`` to the handler, which returns the exit code.
+``func`` to the handler, which returns the exit code (see :mod:`lorasync.cli._common`). Nothing
+here imports torch or httpx: ``lorasync --help`` and ``--version`` answer without them.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
-import logging
 import sys
 
-from lorasync.errors import LoraSyncError
+from lorasync.cli._common import BAD_INPUT, EPILOG, Parser, add_common, emit, error_payload, exit_code_for, setup_logging
 
 __all__ = ["main"]
 
@@ -21,30 +22,65 @@ SUBCOMMANDS = ("demo", "export", "publish", "inspect", "bench")
 def build_parser() -> argparse.ArgumentParser:
     from lorasync import __version__
 
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="lorasync",
         description="Push freshly trained LoRA adapters from trainers into running inference engines.",
+        epilog=EPILOG,
     )
     parser.add_argument("--version", action="version", version=f"lorasync {__version__}")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log what happens (INFO level)")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    add_common(parser, top=True)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     for name in SUBCOMMANDS:
         importlib.import_module(f"lorasync.cli.{name}").register(sub)
+    _add_common_everywhere(sub)
     return parser
 
 
+def _add_common_everywhere(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """--json/-q/-v on every subcommand, nested ones (``export megatron``) included."""
+    for choice in sub.choices.values():
+        add_common(choice)
+        choice.epilog = choice.epilog or EPILOG
+        for action in choice._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                _add_common_everywhere(action)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run the command line; returns the exit code."""
+    from lorasync.cli import _common
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    Parser.json_requested = "--json" in argv
+    _common.json_stream = sys.stdout
+    try:
+        return _main(argv)
+    finally:
+        _common.json_stream = None
+
+
+def _main(argv: list[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    setup_logging(args)
     if not getattr(args, "func", None):
         parser.print_help()
-        return 2
+        return BAD_INPUT
+    from lorasync.errors import LoraSyncError
+
     try:
-        return int(args.func(args) or 0)
+        with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+            return int(args.func(args) or 0)
     except LoraSyncError as exc:
-        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
+        code = exit_code_for(exc)
+        if args.json:
+            emit(error_payload(exc, code), as_json=True)
+        else:
+            print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":  # pragma: no cover

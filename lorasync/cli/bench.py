@@ -6,13 +6,16 @@ vLLM: lorasync vs PEFT save_pretrained + load, the benchmark of record; ``--shap
 adds a Qwen3-0.6B-shaped model),
 ``fanout`` (1–8 engines), ``fold`` (merged-fold peak memory vs bucket size). Without NAME all
 run. Each prints a markdown table and writes ``NAME.json``, ``NAME.md`` and ``NAME.png`` under
-``--out``. The suite lives in the source tree (``benchmarks/`` next to ``lorasync/``).
+``--out`` (the PNG only with matplotlib: ``pip install 'lorasync[bench]'``). The suite is the
+``benchmarks`` package, shipped in the wheel and next to ``lorasync/`` in a checkout. The vLLM
+benchmark finds the engine venv through ``LORASYNC_VLLM_PYTHON`` or ``LORASYNC_ENGINE_CACHE``.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import sys
 from pathlib import Path
 from typing import Any
@@ -69,7 +72,7 @@ def _import_suite() -> Any:
 
     checkout = Path(lorasync.__file__).resolve().parent.parent
     if not (checkout / "benchmarks" / "_runner.py").is_file():
-        raise ConfigError("the benchmark suite ships with lorasync's source tree; run `lorasync bench` from a checkout (git clone, then pip install -e '.[bench]')")
+        raise ConfigError("the benchmark suite is missing from this install; pip install 'lorasync[bench]' (the wheel ships it) or run from a checkout")
     sys.path.insert(0, str(checkout))
     return importlib.import_module("benchmarks._runner")
 
@@ -79,6 +82,11 @@ def _main(args: argparse.Namespace) -> int:
     if unknown:
         raise ConfigError(f"unknown benchmark {', '.join(unknown)}; choose from {', '.join(BENCHMARKS)}")
     runner = _import_suite()
+    plot = not args.no_plot
+    if plot and importlib.util.find_spec("matplotlib") is None:
+        # JSON and markdown need nothing extra; only the PNG plots need matplotlib.
+        print("matplotlib is not installed: writing JSON and markdown only; for PNG plots: pip install 'lorasync[bench]'", file=sys.stderr)
+        plot = False
     opts = runner.Options(
         quick=args.quick,
         out=args.out,
@@ -92,6 +100,6 @@ def _main(args: argparse.Namespace) -> int:
         layers=args.layers,
         root=args.root,
         progress=not args.no_progress,
-        plot=not args.no_plot,
+        plot=plot,
     )
     return int(runner.run_all(list(args.names) or list(BENCHMARKS), opts))

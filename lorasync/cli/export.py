@@ -102,10 +102,17 @@ def run_megatron(args: argparse.Namespace) -> int:
         base_model_name_or_path=args.base_model_name_or_path,
     )
     out = adapter.save(args.out)
-    print(
+    from lorasync.cli._common import emit
+
+    summary = {
+        "ok": True, "exit_code": 0, "out": str(out), "modules": len(adapter.modules), "shard_files": len(files),
+        "r": adapter.config.r, "lora_alpha": adapter.config.lora_alpha, "content_hash": adapter.content_hash,
+    }  # fmt: skip
+    text = (
         f"exported {len(adapter.modules)} modules from {len(files)} shard files "
         f"(r={adapter.config.r}, alpha={adapter.config.lora_alpha}) to {out}"
     )
+    emit(summary, as_json=getattr(args, "json", False), text=text, quiet=getattr(args, "quiet", False))
     return 0
 
 

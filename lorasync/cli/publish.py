@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import json
+import logging
+from pathlib import Path
 from typing import Any
 
+from lorasync.cli._common import emit, publish_exit_code, validate_engine_specs
+
 __all__ = ["register"]
+
+log = logging.getLogger("lorasync.cli")
 
 
 def register(sub: Any) -> None:
@@ -19,16 +24,22 @@ def register(sub: Any) -> None:
     p.add_argument("--keep", type=int, default=2, help="versions kept loaded per engine (default 2)")
     p.add_argument("--root", metavar="DIR", help="disk transport root (default /dev/shm/lorasync)")
     p.add_argument("--base", metavar="DIR", help="pristine base checkpoint (enables the merged fallback)")
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=_main)
 
 
 def _main(args: argparse.Namespace) -> int:
+    from lorasync.errors import ConfigError
+
+    specs = validate_engine_specs(args.engine)
+    if not Path(args.adapter_dir).is_dir():
+        raise ConfigError(f"adapter directory {args.adapter_dir} does not exist; pass a directory written by Adapter.save or PEFT's save_pretrained")
     from lorasync import Adapter, publish_adapter
 
     adapter = Adapter.load(args.adapter_dir)
+    log.info("publishing %s as %s v%d to %s", args.adapter_dir, args.name, args.version, ", ".join(specs))
     report = publish_adapter(
-        adapter, args.engine, name=args.name, version=args.version, transport=args.transport, keep=args.keep, root=args.root, base=args.base
+        adapter, specs, name=args.name, version=args.version, transport=args.transport, keep=args.keep, root=args.root, base=args.base
     )
-    print(json.dumps(report.to_dict(), indent=2) if args.json else report)
-    return 0 if report.ok else 1
+    code = publish_exit_code([report])
+    emit({**report.to_dict(), "exit_code": code}, as_json=args.json, text=str(report), quiet=args.quiet)
+    return code

@@ -1,10 +1,13 @@
-"""Export a PEFT LoRA adapter from a (possibly FSDP/DDP/compiled/checkpointed) model or a
-decorated state dict.
+"""Export a PEFT LoRA adapter from a (possibly FSDP/DDP/DeepSpeed/compiled/checkpointed) model or
+a decorated state dict.
 
-Collective use: when ``source`` is sharded (FSDP1 flat parameters or FSDP2/DTensor parameters)
-**every rank of the sharding group must call** :func:`export` with the same arguments, in the same
-order, because gathering is a collective. Every rank gets the full Adapter; trainers usually
-publish from rank 0 only and let the other ranks drop theirs.
+Collective use: when ``source`` is sharded (FSDP1 flat parameters, FSDP2/DTensor parameters or
+DeepSpeed ZeRO-3 partitioned parameters) **every rank of the sharding group must call**
+:func:`export` with the same arguments, in the same order, because gathering is a collective.
+Every rank gets the full Adapter; trainers usually publish from rank 0 only and let the other
+ranks drop theirs. ZeRO-3 parameters are gathered with ``deepspeed.zero.GatheredParameters``
+(only the LoRA ones, read-only); without deepspeed importable they are refused with a typed
+error instead of being read as the empty local shards they are.
 """
 
 from __future__ import annotations
@@ -65,17 +68,20 @@ def export(
 
     Raises:
         UnknownAdapterNameError: no LoRA weights for ``adapter_name``.
-        ExportError: a LoRA entry that is not a tensor, or two names of one weight that differ.
+        ExportError: a LoRA entry that is not a tensor, or two names of one weight that differ;
+            DeepSpeed ZeRO-3 partitioned parameters without deepspeed importable, or in a
+            state dict (which holds only this rank's partition).
         ConfigError: neither a PEFT config nor ``alpha``/``config`` give the scale.
         PaddedRankError, ShapeMismatchError, ...: from validation.
     """
     if isinstance(source, nn.Module):
         peft_cfg = _find_peft_config(source, adapter_name)
-        with _full_params(source) as unsharded:
-            # Unsharded FSDP1 parameters are freed on exit: those are always copied.
-            raw = _collect(source.named_parameters(), adapter_name, copy=copy or unsharded)
+        with _full_params(source) as unsharded, _zero3_gathered(source, adapter_name) as gathered:
+            # Unsharded FSDP1 parameters and gathered ZeRO-3 ones are freed on exit: those are always copied.
+            raw = _collect(source.named_parameters(), adapter_name, copy=copy or unsharded or gathered)
     else:
         peft_cfg = None
+        _refuse_partitioned(source.items(), adapter_name)
         raw = _collect(source.items(), adapter_name, copy=copy)
     if not raw:
         available = _adapter_names(source)
@@ -187,3 +193,47 @@ def _full_params(model: nn.Module) -> Iterator[bool]:
             yield True
     else:
         yield False
+
+
+def _is_partitioned(value: Any) -> bool:
+    """A DeepSpeed ZeRO-3 parameter: it carries ``ds_id``/``ds_status``/``ds_shape`` and, while
+    partitioned, an empty local tensor whose real shape is ``ds_shape``."""
+    return hasattr(value, "ds_id") and hasattr(value, "ds_shape")
+
+
+def _zero3_lora_params(model: nn.Module, adapter_name: str) -> list[Any]:
+    return [p for n, p in model.named_parameters() if _is_partitioned(p) and normalize_trainer_key(n, adapter_name) is not None]
+
+
+@contextlib.contextmanager
+def _zero3_gathered(model: nn.Module, adapter_name: str) -> Iterator[bool]:
+    """Gather the LoRA parameters of a ZeRO-3 model for the duration (collective, read-only);
+    yields whether it did (the gathered tensors are freed on exit)."""
+    params = _zero3_lora_params(model, adapter_name)
+    if not params:
+        yield False
+        return
+    try:
+        import deepspeed
+    except ImportError as exc:
+        raise ExportError(
+            f"{len(params)} LoRA parameters are DeepSpeed ZeRO-3 partitions (ds_shape {tuple(params[0].ds_shape)}, "
+            f"local shard {tuple(params[0].shape)}) and deepspeed is not importable here to gather them; "
+            "install deepspeed in this environment, or call export() inside "
+            "`with deepspeed.zero.GatheredParameters(lora_params): ...` on every rank",
+        ) from exc
+    # modifier_rank=None: nothing is written back; every rank of the group must enter.
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+        yield True
+
+
+def _refuse_partitioned(items: Any, adapter_name: str) -> None:
+    for name, value in items:
+        if _is_partitioned(value) and normalize_trainer_key(name, adapter_name) is not None:
+            raise ExportError(
+                f"{name!r} is a DeepSpeed ZeRO-3 partition (full shape {tuple(value.ds_shape)}, local "
+                f"{tuple(value.shape)}): a state dict of a ZeRO-3 model holds only this rank's shard. Pass the "
+                "model itself (export gathers its LoRA parameters), or build the state dict inside "
+                "deepspeed.zero.GatheredParameters",
+                key=name,
+            )

@@ -36,8 +36,15 @@ _REPO_ROOT = Path(lorasync.__file__).resolve().parent.parent
 
 
 def vllm_python() -> Path:
-    """The engine venv's python: ``$LORASYNC_VLLM_PYTHON`` or the default cache path (may not exist)."""
-    return Path(os.path.expanduser(os.environ.get("LORASYNC_VLLM_PYTHON") or DEFAULT_VLLM_PYTHON))
+    """The engine venv's python: ``$LORASYNC_VLLM_PYTHON``, else the venv under
+    ``$LORASYNC_ENGINE_CACHE`` (where scripts/engine-venv.sh builds it), else the default cache
+    path (may not exist)."""
+    if os.environ.get("LORASYNC_VLLM_PYTHON"):
+        return Path(os.path.expanduser(os.environ["LORASYNC_VLLM_PYTHON"]))
+    cache = os.environ.get("LORASYNC_ENGINE_CACHE")
+    if cache:
+        return Path(os.path.expanduser(cache)) / Path(DEFAULT_VLLM_PYTHON).relative_to("~/.cache/lorasync")
+    return Path(os.path.expanduser(DEFAULT_VLLM_PYTHON))
 
 
 def free_port(host: str = "127.0.0.1") -> int:

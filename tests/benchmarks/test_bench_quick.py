@@ -73,5 +73,5 @@ def test_bench_cli_runs_one_tiny_configuration_and_writes_json_and_png(tmp_path,
 def test_bench_cli_rejects_an_unknown_benchmark(tmp_path, capsys):
     from lorasync.cli import main
 
-    assert main(["bench", "latency", "--out", str(tmp_path)]) == 1
+    assert main(["bench", "latency", "--out", str(tmp_path)]) == 2  # bad input (lorasync.cli._common)
     assert "unknown benchmark latency" in capsys.readouterr().err

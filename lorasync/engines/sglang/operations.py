@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from lorasync.engines._base import Capabilities
+from lorasync.engines._versions import check_engine_version
 from lorasync.engines._http import Call, HTTPEngine, Operation, body_json, body_text
 from lorasync.engines.sglang import errors, rules
 from lorasync.engines.sglang.protocol import (
@@ -69,6 +70,7 @@ class SGLangOperations(HTTPEngine):
                 f"{body_text(response)[:200]!r}; is this an SGLang server?",
                 **self.error_context("/server_info", None, response),
             )
+        self._version_notes = check_engine_version("sglang", data.get("version"), url=self.url)  # refuses unknown majors
         if self._version is None:
             self._version = parse_version(str(data.get("version") or DEFAULT_VERSION))
         return data
@@ -82,7 +84,7 @@ class SGLangOperations(HTTPEngine):
         lora = bool(info.get("enable_lora"))
         dp = int(info.get("dp_size") or 1)
         workers = int(info.get("tokenizer_worker_num") or 1)
-        notes = [f"sglang {'.'.join(map(str, version))}"]
+        notes = [f"sglang {'.'.join(map(str, version))}", *getattr(self, "_version_notes", [])]
         if info.get("max_loras_per_batch") is not None:
             notes.append(f"max_loras_per_batch={info['max_loras_per_batch']} (GPU slots, base model included)")
         if lora and info.get("max_lora_rank") is None:

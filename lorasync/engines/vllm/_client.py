@@ -56,6 +56,7 @@ from lorasync.engines.vllm._protocol import (
     CudaStage,
     ShmStage,
 )
+from lorasync.engines._versions import check_engine_version
 from lorasync.errors import (
     AdapterNotFoundError,
     CapabilityError,
@@ -343,6 +344,7 @@ class VLLMEngine(HTTPEngine):
             "load_inplace re-reads the adapter files on every step (vLLM 0.32); versioned names are used instead",
             "keep adapter files until their name is unloaded: an evicted adapter is re-read from disk",
         ]
+        notes += check_engine_version("vllm", version, url=self.url)  # refuses an unknown major version
         if not isinstance(config, dict):
             notes.append(
                 "max rank/slots not exposed (start the server with VLLM_SERVER_DEV_MODE=1, or pass max_rank=)"

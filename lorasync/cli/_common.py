@@ -1,0 +1,142 @@
+"""What every ``lorasync`` subcommand shares: exit codes, ``--json``/``-q``/``-v``, logging.
+
+Exit codes (documented in ``lorasync --help``):
+
+* 0 success; 1 a check that ran and said no (``inspect`` found an engine that refuses);
+* 2 bad input (options, paths, adapter content, unknown engine kind, a stale version);
+* 3 an engine failure (unreachable, refused, did not reproduce the probe);
+* 4 a partial publish (some engines serve the new version, others do not).
+
+Kept free of torch/httpx imports: ``lorasync --help`` and ``--version`` must answer at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import Any
+
+__all__ = [
+    "BAD_INPUT",
+    "ENGINE_FAILURE",
+    "EPILOG",
+    "OK",
+    "PARTIAL",
+    "REFUSED",
+    "Parser",
+    "add_common",
+    "emit",
+    "error_payload",
+    "exit_code_for",
+    "publish_exit_code",
+    "setup_logging",
+    "validate_engine_specs",
+]
+
+OK, REFUSED, BAD_INPUT, ENGINE_FAILURE, PARTIAL = 0, 1, 2, 3, 4
+
+EPILOG = (
+    "exit codes: 0 ok, 1 a check said no (inspect), 2 bad input, 3 engine failure, "
+    "4 partial publish (some engines updated, others not). --json prints one JSON document, "
+    "errors included."
+)
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors honour ``--json`` (exit code 2 either way)."""
+
+    json_requested = False  # set by main() from its argv before parsing
+
+    def error(self, message: str) -> Any:  # argparse's hook; never returns
+        if Parser.json_requested:
+            emit({"ok": False, "exit_code": BAD_INPUT, "error": {"type": "UsageError", "message": message}}, as_json=True)
+            sys.exit(BAD_INPUT)
+        super().error(message)
+
+
+def add_common(parser: argparse.ArgumentParser, *, top: bool = False) -> None:
+    """``--json``, ``-q`` and ``-v`` on the main parser and again on every subcommand.
+
+    On subcommands the defaults are suppressed, so ``lorasync --json inspect X`` and
+    ``lorasync inspect X --json`` mean the same.
+    """
+    default: Any = argparse.SUPPRESS if not top else None
+    parser.add_argument("--json", action="store_true", default=False if top else argparse.SUPPRESS, help="print one JSON document (errors included)")
+    parser.add_argument("-q", "--quiet", action="store_true", default=False if top else argparse.SUPPRESS, help="only errors")
+    parser.add_argument("-v", "--verbose", action="count", default=0 if top else default, help="log what happens: -v INFO, -vv DEBUG")
+
+
+def setup_logging(args: argparse.Namespace) -> None:
+    level = logging.ERROR if args.quiet else (logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose or 0, 2)]
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.getLogger("lorasync").setLevel(level)
+    if level > logging.DEBUG:  # foreign libraries' INFO chatter (httpx request lines) stays out
+        for noisy in ("httpx", "httpcore", "urllib3"):
+            logging.getLogger(noisy).setLevel(max(level, logging.WARNING))
+
+
+def exit_code_for(exc: BaseException) -> int:
+    """The exit code of a lorasync error: 2 bad input, 3 engine failure, 1 otherwise."""
+    from lorasync import errors
+
+    if isinstance(exc, (errors.EngineError, errors.TransportError, errors.VerificationError)) and not isinstance(exc, errors.StorageError):
+        return ENGINE_FAILURE
+    if isinstance(exc, (ValueError, errors.RegistryError, errors.StaleVersionError, errors.StorageError, FileNotFoundError)):
+        return BAD_INPUT
+    if isinstance(exc, errors.PublishError):
+        return ENGINE_FAILURE
+    return REFUSED
+
+
+def publish_exit_code(reports: list[Any]) -> int:
+    """0 when every engine of every report serves its version, 4 when some do, 3 when none do."""
+    results = [r for report in reports for r in report.results]
+    if results and all(r.ok for r in results):
+        return OK
+    return PARTIAL if any(r.ok for r in results) else ENGINE_FAILURE
+
+
+def error_payload(exc: BaseException, code: int) -> dict[str, Any]:
+    return {"ok": False, "exit_code": code, "error": {"type": type(exc).__name__, "message": str(exc)}}
+
+
+# Where the one JSON document goes. With --json, main() points sys.stdout at stderr while the
+# command runs, so a library that prints (DeepSpeed's accelerator banner, progress bars) cannot
+# corrupt the document.
+json_stream: Any = None
+
+
+def emit(payload: Any, *, as_json: bool, text: str | None = None, quiet: bool = False) -> None:
+    """Print ``payload`` as JSON, or ``text`` for people (nothing with ``-q``)."""
+    if as_json:
+        print(json.dumps(payload, indent=2, default=str), file=json_stream or sys.stdout, flush=True)
+    elif text is not None and not quiet:
+        print(text)
+
+
+def validate_engine_specs(specs: list[str]) -> list[str]:
+    """Check ``ENGINE:URL`` specs by their form, before anything slow happens.
+
+    Returns:
+        `list[str]`: the specs, unchanged.
+
+    Raises:
+        ConfigError: a spec without an engine kind (``http://host``), with ``://`` after the
+            kind (``vllm://host``), or a remote engine without an http(s) URL.
+    """
+    from lorasync.errors import ConfigError
+
+    form = "ENGINE:URL, e.g. vllm:http://127.0.0.1:8000 or sglang:http://127.0.0.1:30000 (peft needs no URL)"
+    for spec in specs:
+        kind, sep, url = spec.partition(":")
+        if kind in ("http", "https"):
+            raise ConfigError(f"engine spec {spec!r} has no engine kind; write {form}")
+        if url.startswith("//"):
+            raise ConfigError(f"engine spec {spec!r} is not ENGINE:URL; write {kind}:http:{url} ({form})")
+        if not kind or not kind.replace("_", "").replace("-", "").isalnum():
+            raise ConfigError(f"engine spec {spec!r} is not {form}")
+        if kind != "peft" and not url.startswith(("http://", "https://")):
+            raise ConfigError(f"engine spec {spec!r} needs an http(s) URL; write {form}")
+    return list(specs)

@@ -1,0 +1,9 @@
+"""Drop-in integrations with trainer frameworks.
+
+Each integration lives in its own module and imports its framework only when used:
+
+* :mod:`lorasync.integrations.trl`: a ``transformers.TrainerCallback`` that publishes after every
+  optimizer step; works for ``transformers.Trainer`` and every TRL trainer (they are Trainers).
+"""
+
+__all__: list[str] = []

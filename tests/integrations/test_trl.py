@@ -1,0 +1,241 @@
+"""LoraSyncCallback with a real ``transformers.Trainer`` and a real TRL ``SFTTrainer`` training the
+tiny local model on CPU: every optimizer step is published as ``policy@v<global_step>``, the
+engine (in-process PEFT, and the real vLLM CPU server) serves exactly the weights the trainer has
+at that step, and the trainer's logs carry the report."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lorasync import Publisher
+from lorasync.engines import connect
+from lorasync.errors import ConfigError, EngineUnavailableError
+from lorasync.exporters.fsdp import export
+from lorasync.integrations.trl import LoraSyncCallback
+from lorasync.testing import TINY_TARGETS
+
+transformers = pytest.importorskip("transformers")
+from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+
+PROMPT = [1, 17, 42, 99, 311, 5]
+
+
+def _greedy(model: Any, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    """Greedy decoding by definition: argmax of a full forward, one token at a time."""
+    ids, tokens, logprobs = list(prompt), [], []
+    with torch.no_grad():
+        for _ in range(n):
+            lp = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0, -1].float(), dim=-1)
+            tok = int(lp.argmax())
+            tokens.append(tok)
+            logprobs.append(float(lp[tok]))
+            ids.append(tok)
+    return tokens, logprobs
+
+
+class _Witness(TrainerCallback):
+    """Runs after LoraSyncCallback each step: what the trainer model says vs what the engine serves."""
+
+    def __init__(self, engine: Any, serve: Any) -> None:
+        self.engine, self.serve, self.steps = engine, serve, []
+
+    def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        was = model.training
+        model.eval()
+        expected = _greedy(model, PROMPT, 6)
+        model.train(was)
+        self.steps.append((state.global_step, expected, self.serve(self.engine, f"policy@v{state.global_step}"), export(model)))
+
+
+def _peft_serve(engine: Any, served: str) -> tuple[list[int], list[float]]:
+    tokens = engine.generate(PROMPT, adapter=served, max_new_tokens=6)
+    return tokens, []
+
+
+def _dataset(n: int = 8) -> list[dict[str, list[int]]]:
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for _ in range(n):
+        ids = torch.randint(4, 512, (12,), generator=gen).tolist()
+        rows.append({"input_ids": ids, "labels": ids, "attention_mask": [1] * len(ids)})
+    return rows
+
+
+def _args(tmp_path: Path, **overrides: Any) -> dict[str, Any]:
+    values = dict(
+        output_dir=str(tmp_path / "out"), max_steps=3, per_device_train_batch_size=4, learning_rate=5e-3,
+        logging_steps=1, report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True, seed=0,
+    )
+    values.update(overrides)
+    return values
+
+
+def _peft_model(tiny_model_dir: Path) -> Any:
+    from peft import LoraConfig, get_peft_model
+
+    base = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        return get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=list(TINY_TARGETS), lora_dropout=0.0, init_lora_weights="gaussian"))
+
+
+def _assert_served_as_trained(witness: _Witness, engine_adapters: Any, steps: int) -> None:
+    assert [s for s, *_ in witness.steps] == list(range(1, steps + 1))
+    continuations = set()
+    for step, (tokens, logprobs), (served, served_lp), adapter in witness.steps:
+        assert served == tokens, f"step {step}: engine serves {served}, trainer says {tokens}"
+        continuations.add(tuple(tokens))
+        if engine_adapters is not None:
+            loaded = engine_adapters(f"policy@v{step}")
+            if loaded is not None:  # retired versions (keep=) are gone; the newest ones are checked
+                for key, tensor in adapter.tensors.items():
+                    assert torch.equal(loaded[key], tensor), f"step {step}: {key} differs from the trainer's"
+        if served_lp:
+            assert max(abs(a - b) for a, b in zip(served_lp, logprobs)) < 1e-3
+
+
+def test_transformers_trainer_publishes_every_step_to_peft_engine(tiny_model_dir: Path, tmp_path: Path) -> None:
+    engine = connect("peft", base_model_path=tiny_model_dir)
+    model = _peft_model(tiny_model_dir)
+    callback = LoraSyncCallback([engine], name="policy", keep=4, root=tmp_path / "store", verify_prompt_ids=PROMPT, verify_atol=1e-4)
+    witness = _Witness(engine, _peft_serve)
+    trainer = Trainer(model=model, args=TrainingArguments(**_args(tmp_path)), train_dataset=_dataset(), callbacks=[callback, witness])
+    trainer.train()
+
+    assert [r.version for r in callback.reports] == [1, 2, 3]
+    assert all(r.ok for r in callback.reports), [str(r) for r in callback.reports]
+    # The probe went through the engine: every publish was verified.
+    assert all("verify" in r.results[0].timings for r in callback.reports)
+    _assert_served_as_trained(witness, _peft_adapter_tensors(engine), 3)
+    # Training moved the weights: the three versions are not one adapter published three times.
+    assert len({r.content_hash for r in callback.reports}) == 3
+    logged = [h for h in trainer.state.log_history if "lorasync/version" in h]
+    assert [(h["step"], h["lorasync/version"], h["lorasync/ok"]) for h in logged] == [(1, 1.0, 1.0), (2, 2.0, 1.0), (3, 3.0, 1.0)]
+    assert all("loss" in h and h["lorasync/bytes_moved"] > 0 for h in logged)
+    assert callback.publisher is None  # made by the callback, closed at train end
+
+
+def _peft_adapter_tensors(engine: Any) -> Any:
+    """The tensors the PEFT engine holds for a served name, keyed like an exported Adapter."""
+
+    def tensors(served: str) -> dict[str, torch.Tensor] | None:
+        slot = engine._slots.get(served)
+        if slot is None:
+            return None
+        out = {}
+        for name, param in engine.model.named_parameters():
+            marker = f".{slot}."
+            if marker in name and ("lora_A" in name or "lora_B" in name):
+                out[name.replace(marker, ".")] = param.detach()
+        return out
+
+    return tensors
+
+
+def test_every_n_steps_and_final_step(tiny_model_dir: Path, tmp_path: Path) -> None:
+    engine = connect("peft", base_model_path=tiny_model_dir)
+    pub = Publisher([engine], name="policy", root=tmp_path / "store", keep=2)
+    callback = LoraSyncCallback(pub, every=2, version_offset=100)
+    trainer = Trainer(model=_peft_model(tiny_model_dir), args=TrainingArguments(**_args(tmp_path, max_steps=5, logging_steps=5)), train_dataset=_dataset(), callbacks=[callback])
+    trainer.train()
+    # Steps 2 and 4 on schedule, step 5 because training ended there.
+    assert [r.version for r in callback.reports] == [102, 104, 105]
+    assert callback.publisher is pub  # a Publisher the caller passed is theirs to close
+    assert sorted(n for n in engine.list_adapters() if n.startswith("policy")) == ["policy@v104", "policy@v105"]
+    logged = [h for h in trainer.state.log_history if "lorasync/version" in h]
+    # logging_steps=5: the log at step 5 carries the newest publish.
+    assert logged and logged[-1]["lorasync/version"] == 105.0
+    pub.close()
+
+
+def test_failed_publish_raises_or_warns(tiny_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from lorasync.engines.vllm import VLLMEngine
+    from lorasync.testing.vllm_server import free_port
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    raising = LoraSyncCallback([VLLMEngine(dead, retries=1, timeout=2)], root=tmp_path / "a")
+    trainer = Trainer(model=_peft_model(tiny_model_dir), args=TrainingArguments(**_args(tmp_path)), train_dataset=_dataset(), callbacks=[raising])
+    with pytest.raises(EngineUnavailableError):
+        trainer.train()
+    assert trainer.state.global_step == 1  # stopped at the first failed publish
+    assert raising.publisher is None  # the Publisher it made was closed on the way out
+
+    warning = LoraSyncCallback([VLLMEngine(dead, retries=1, timeout=2)], root=tmp_path / "b", on_error="warn")
+    trainer = Trainer(model=_peft_model(tiny_model_dir), args=TrainingArguments(**_args(tmp_path, max_steps=2)), train_dataset=_dataset(), callbacks=[warning])
+    with caplog.at_level("WARNING", logger="lorasync.integrations.trl"):
+        trainer.train()
+    assert trainer.state.global_step == 2
+    assert [r.ok for r in warning.reports] == [False, False]
+    assert "keep serving their previous version" in caplog.text
+    assert [h["lorasync/ok"] for h in trainer.state.log_history if "lorasync/ok" in h] == [0.0, 0.0]
+
+
+def test_bad_options_are_typed() -> None:
+    for kwargs in ({"every": 0}, {"on_error": "ignore"}, {"version_offset": -1}, {"verify_prompt_ids": []}):
+        with pytest.raises(ConfigError):
+            LoraSyncCallback(["vllm:http://127.0.0.1:1"], **kwargs)
+
+
+# -- real TRL --------------------------------------------------------------------------------
+
+
+def _sft(tiny_model_dir: Path, tmp_path: Path, callbacks: list[Any], steps: int = 3) -> Any:
+    trl = pytest.importorskip("trl")
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    gen = torch.Generator().manual_seed(0)
+    texts = [" ".join(f"w{int(i)}" for i in torch.randint(4, 512, (12,), generator=gen)) for _ in range(8)]
+    # SFTConfig defaults to bf16 autocast (accelerate patches the model's forward): the trainer's
+    # own greedy continuation would then be a bf16 one, and the fp32 engines are compared exactly.
+    config = trl.SFTConfig(**_args(tmp_path, max_steps=steps), bf16=False, max_length=32, dataset_text_field="text", packing=False)
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    lora = LoraConfig(r=8, lora_alpha=16, target_modules=list(TINY_TARGETS), lora_dropout=0.0, init_lora_weights="gaussian")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return trl.SFTTrainer(model=model, args=config, train_dataset=Dataset.from_dict({"text": texts}), processing_class=tokenizer, peft_config=lora, callbacks=callbacks)
+
+
+def test_trl_sft_trainer_publishes_every_step_to_peft_engine(tiny_model_dir: Path, tmp_path: Path) -> None:
+    engine = connect("peft", base_model_path=tiny_model_dir)
+    callback = LoraSyncCallback([engine], name="policy", keep=4, root=tmp_path / "store", verify_prompt_ids=PROMPT, verify_atol=1e-4)
+    witness = _Witness(engine, _peft_serve)
+    trainer = _sft(tiny_model_dir, tmp_path, [callback, witness])
+    trainer.train()
+    assert [r.version for r in callback.reports] == [1, 2, 3]
+    assert all(r.ok for r in callback.reports), [str(r) for r in callback.reports]
+    _assert_served_as_trained(witness, _peft_adapter_tensors(engine), 3)
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == 3
+    assert [h["lorasync/version"] for h in trainer.state.log_history if "lorasync/version" in h] == [1.0, 2.0, 3.0]
+
+
+@pytest.mark.vllm
+def test_trl_sft_trainer_publishes_every_step_to_real_vllm(vllm_server: Any, tiny_model_dir: Path, tmp_path: Path) -> None:
+    engine = connect("vllm", vllm_server.url, timeout=120)
+    name = "trl-policy"
+    callback = LoraSyncCallback([engine], name=name, keep=1, root=tmp_path / "store", verify_prompt_ids=PROMPT, verify_atol=1e-3)
+
+    def serve(engine: Any, served: str) -> tuple[list[int], list[float]]:
+        return engine.greedy(served.replace("policy", name), PROMPT, 6)
+
+    witness = _Witness(engine, serve)
+    trainer = _sft(tiny_model_dir, tmp_path, [callback, witness])
+    try:
+        trainer.train()
+        assert [r.version for r in callback.reports] == [1, 2, 3]
+        assert all(r.ok for r in callback.reports), [str(r) for r in callback.reports]
+        _assert_served_as_trained(witness, None, 3)
+        assert [n for n in engine.list_adapters() if n.startswith(name)] == [f"{name}@v3"]
+    finally:
+        for served in engine.list_adapters():
+            if served.startswith(name):
+                engine.unload_adapter(served)
+        engine.close()
