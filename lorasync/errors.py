@@ -27,7 +27,8 @@ Every message says what to do next.
     │   └── DuplicateRegistrationError       a name registered twice with different targets
     ├── EngineError                          an engine refused or failed; carries engine/url/adapter
     │   ├── EngineUnavailableError (ConnectionError)   unreachable, 5xx, retries spent
-    │   │   └── EngineTimeoutError (TimeoutError)      no answer in time
+    │   │   ├── EngineTimeoutError (TimeoutError)      no answer in time
+    │   │   └── EngineDeadError                        the engine process died (restart it)
     │   ├── EngineProtocolError              an answer lorasync cannot interpret
     │   │   └── UnsupportedEngineVersionError  an engine major version lorasync does not know
     │   ├── AuthenticationError              401/403: wrong or missing API key
@@ -70,6 +71,7 @@ __all__ = [
     "DuplicateRegistrationError",
     "EngineError",
     "EngineProtocolError",
+    "EngineDeadError",
     "EngineTimeoutError",
     "EngineUnavailableError",
     "ExportError",
@@ -228,6 +230,10 @@ class EngineUnavailableError(EngineError, ConnectionError):
 
 class EngineTimeoutError(EngineUnavailableError, TimeoutError):
     """The engine did not answer within the timeout."""
+
+
+class EngineDeadError(EngineUnavailableError):
+    """The engine's core died (vLLM's ``EngineDeadError``): every request fails until it restarts."""
 
 
 class EngineProtocolError(EngineError):

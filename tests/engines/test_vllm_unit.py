@@ -171,3 +171,29 @@ def test_adapters_in_use_without_the_lora_gauge_is_unknown() -> None:
         engine = mock_engine(lambda request, status=status, text=text: httpx.Response(status, text=text))
         assert engine.adapters_in_use() is None
         assert asyncio.run(engine.aadapters_in_use()) is None
+
+
+# -- a dead engine core ------------------------------------------------------------------------------
+
+DEAD = {"error": {"message": "EngineCore encountered an issue. See stack trace (above) for the root cause.", "type": "InternalServerError", "param": None, "code": 500}}
+
+
+def test_a_dead_engine_core_is_reported_as_such_through_the_publisher(tmp_path) -> None:
+    from lorasync import Publisher
+    from lorasync.errors import EngineDeadError
+    from lorasync.testing import tiny_llama_adapter
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"object": "list", "data": [{"id": "base", "object": "model", "parent": None}]})
+        if request.url.path == "/version":
+            return httpx.Response(200, json={"version": "0.32.0"})
+        return httpx.Response(500, json=DEAD)  # what vLLM 0.32 answers once its engine core died
+
+    engine = mock_engine(handler)
+    with pytest.raises(EngineDeadError, match="restart the server"):
+        engine.load_adapter("p@v1", str(tmp_path))
+    report = Publisher([engine], name="p", root=tmp_path / "store", transport="disk").publish(tiny_llama_adapter(), version=1)
+    error = report.results[0].error
+    assert isinstance(error, EngineDeadError) and isinstance(error, EngineUnavailableError)
+    assert "engine core died" in str(error) and "next publish" in str(error)

@@ -40,7 +40,7 @@ from lorasync.engines._base import Capabilities
 from lorasync.engines._hosts import is_same_host
 from lorasync.engines._http import Call, HTTPEngine, Operation, body_json, body_text
 from lorasync.engines.vllm._bodies import Completion, adapter_roots, completion_of, lora_in_use
-from lorasync.engines.vllm._errors import dig, disabled, generic, load_error, message_of, route_missing, unexpected
+from lorasync.engines.vllm._errors import dig, disabled, engine_dead, generic, load_error, message_of, route_missing, unexpected
 from lorasync.engines.vllm._protocol import (
     COMPLETIONS_ROUTE,
     CONFIG_KEY,
@@ -314,6 +314,8 @@ class VLLMEngine(HTTPEngine):
     def _capabilities(self) -> Operation[Capabilities]:
         # GET on a POST-only route: 405 when registered, 404 when runtime updating is off.
         probe = yield Call("GET", LOAD_ROUTE)
+        if probe.status_code >= 500 and engine_dead(message_of(probe)):
+            raise generic(self, probe, LOAD_ROUTE, None, message_of(probe), "probe of the runtime LoRA route")
         if probe.status_code not in (404, 405):
             raise unexpected(self, probe, LOAD_ROUTE, None, EngineProtocolError, "probe of the runtime LoRA route")
         runtime_lora = probe.status_code == 405

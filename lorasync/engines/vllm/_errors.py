@@ -19,8 +19,8 @@ from lorasync.errors import (
     AdapterAlreadyLoadedError,
     AdapterNotFoundError,
     AdapterRejectedError,
+    EngineDeadError,
     EngineError,
-    EngineUnavailableError,
     IncompatibleAdapterError,
     LoraNotEnabledError,
     RankTooLargeError,
@@ -134,7 +134,11 @@ def generic(
     context = engine.error_context(route, name, response)
     text = f"{engine.kind} at {engine.url}{route}: {what} failed with HTTP {response.status_code}: {message}"
     if response.status_code >= 500 and engine_dead(message):
-        return EngineUnavailableError(f"{text}; the engine process died, restart the server", **context)
+        return EngineDeadError(
+            f"{text}; vLLM's engine core died, so every request to it fails: restart the server (its log says why "
+            "it died); the next publish after the restart loads the current version again",
+            **context,
+        )
     return EngineError(f"{text}; check the request and the server log", **context)
 
 

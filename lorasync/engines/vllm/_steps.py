@@ -21,7 +21,7 @@ from lorasync.errors import (
     AdapterRejectedError,
     ConfigError,
     EngineError,
-    EngineUnavailableError,
+    EngineDeadError,
     IncompatibleAdapterError,
     RankTooLargeError,
 )
@@ -129,8 +129,11 @@ class StepDriver:
         text = f"{type(exc).__name__}: {exc}"
         where = f"{self.kind} ({self.url}): {step.method}"
         if type(exc).__name__ == "EngineDeadError" or "EngineCore encountered an issue" in str(exc):
-            return EngineUnavailableError(
-                f"{where} failed because the engine died ({text}); build a new LLM", engine=self.kind, url=self.url
+            return EngineDeadError(
+                f"{where} failed because the engine core died ({text}); build a new LLM (and connect the engine to it): "
+                "the next publish loads the current version again",
+                engine=self.kind,
+                url=self.url,
             )
         return EngineError(f"{where} failed: {text}", engine=self.kind, url=self.url, reason=str(exc))
 
