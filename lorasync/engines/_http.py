@@ -11,7 +11,7 @@ routes answer an empty 200. Use :func:`body_json` / :func:`body_text`.
 ``timeout=`` bounds a whole request (connect, send, headers and body together), not one socket
 read: a peer trickling a byte at a time cannot stretch it. The async client runs each attempt
 under ``asyncio.timeout``; the sync client's connections carry the attempt's deadline into
-every socket read and write (:class:`_DeadlineBackend`). With retries, a call therefore ends
+every socket read and write (:mod:`lorasync.engines._deadline`). With retries, a call therefore ends
 within about ``attempts * timeout`` plus the back-off.
 
 Secrets (the API key, a URL password) are checked before use and scrubbed from every error this
@@ -25,18 +25,19 @@ import functools
 import json
 import os
 import ssl
-import threading
 import time
 from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any, TypeVar
-from urllib.parse import unquote
 
-import httpcore
 import httpx
 
 from lorasync._retry import RetryableStatus, RetryPolicy
 from lorasync.engines._base import Engine
+from lorasync.engines._credentials import clean_key as _clean_key
+from lorasync.engines._credentials import split_userinfo as _split_userinfo
+from lorasync.engines._deadline import DEADLINE as _DEADLINE
+from lorasync.engines._deadline import DeadlineBackend as _DeadlineBackend
 from lorasync.errors import (
     AuthenticationError,
     ConfigError,
@@ -361,114 +362,3 @@ def _ssl_context() -> ssl.SSLContext:
     """One default SSL context per process: building one loads the CA bundle (16-33 ms here),
     and every new event loop needs a new AsyncClient."""
     return httpx.create_ssl_context()
-
-
-def _clean_key(key: str | None, origin: str) -> str | None:
-    """The API key without the whitespace a key file or ``echo`` leaves around it.
-
-    Raises:
-        ConfigError: control or non-ASCII characters inside the key (the key is not shown).
-    """
-    if key is None:
-        return None
-    key = key.strip()
-    if any(not (0x21 <= ord(c) <= 0x7E) for c in key):
-        raise ConfigError(
-            f"the API key from {origin} contains spaces, control or non-ASCII characters inside it (not shown); "
-            "pass the exact key the server was started with (--api-key), one line, no quotes"
-        )
-    return key or None
-
-
-def _split_userinfo(url: str) -> tuple[str, str | None, str | None]:
-    """``(url without credentials, user, password)``; user/password percent-decoded.
-
-    The credentials end at the last ``@`` of the authority, so a password may hold ``#``, ``/``,
-    ``?`` or ``@`` unencoded (a standard parser would end the authority early and take part of the
-    password for a host or port). A base URL with ``@`` in its path is not supported.
-
-    Raises:
-        ConfigError: a URL that is still invalid once the credentials are out (never shown
-            with them).
-    """
-    if not isinstance(url, str) or not url:
-        raise ConfigError(f"engine URL must be a non-empty string such as 'http://127.0.0.1:8000', got {url!r}")
-    scheme, sep, rest = url.partition("://")
-    user = password = None
-    if sep and "@" in rest:
-        userinfo, _, rest = rest.rpartition("@")
-        name, colon, secret = userinfo.partition(":")
-        user, password = unquote(name), (unquote(secret) if colon else "")
-        url = f"{scheme}://{rest}"
-    try:
-        parsed = httpx.URL(url)
-    except (httpx.InvalidURL, TypeError, ValueError) as exc:
-        shown = str(exc).replace(password, "***") if password else str(exc)
-        raise ConfigError(
-            f"invalid engine URL {url!r} ({shown}); use http://host:port (credentials, if any, as user:password@)"
-        ) from None
-    if parsed.userinfo:  # only possible without "://" handling above: keep it out of the URL
-        user, password = parsed.username, parsed.password
-        parsed = parsed.copy_with(userinfo=b"")
-    return str(parsed), user, password
-
-
-class _Deadline(threading.local):
-    at: float | None = None  # time.monotonic() by which the current attempt must be done
-
-
-_DEADLINE = _Deadline()
-
-
-def _left(timeout: float | None) -> float | None:
-    """``timeout`` shortened to what is left of the current attempt's deadline.
-
-    Raises:
-        httpcore.ReadTimeout: the deadline has passed (httpx reports it as ``ReadTimeout``).
-    """
-    at = _DEADLINE.at
-    if at is None:
-        return timeout
-    left = at - time.monotonic()
-    if left <= 0:
-        raise httpcore.ReadTimeout("the request's total deadline passed")
-    return left if timeout is None else min(timeout, left)
-
-
-class _DeadlineStream(httpcore.NetworkStream):
-    """A connection whose every read and write waits at most until the attempt's deadline."""
-
-    def __init__(self, stream: httpcore.NetworkStream) -> None:
-        self._stream = stream
-
-    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
-        return self._stream.read(max_bytes, _left(timeout))
-
-    def write(self, buffer: bytes, timeout: float | None = None) -> None:
-        self._stream.write(buffer, _left(timeout))
-
-    def close(self) -> None:
-        self._stream.close()
-
-    def start_tls(self, ssl_context: ssl.SSLContext, server_hostname: str | None = None, timeout: float | None = None) -> httpcore.NetworkStream:
-        return _DeadlineStream(self._stream.start_tls(ssl_context, server_hostname, _left(timeout)))
-
-    def get_extra_info(self, info: str) -> Any:
-        return self._stream.get_extra_info(info)
-
-
-class _DeadlineBackend(httpcore.NetworkBackend):
-    """httpcore's sync backend, its connections wrapped in :class:`_DeadlineStream`."""
-
-    def __init__(self, backend: httpcore.NetworkBackend) -> None:
-        self._backend = backend
-
-    def connect_tcp(self, host: str, port: int, timeout: float | None = None, local_address: str | None = None,
-                    socket_options: Any = None) -> httpcore.NetworkStream:  # fmt: skip
-        return _DeadlineStream(self._backend.connect_tcp(host, port, _left(timeout), local_address, socket_options))
-
-    def connect_unix_socket(self, path: str, timeout: float | None = None, socket_options: Any = None) -> httpcore.NetworkStream:
-        return _DeadlineStream(self._backend.connect_unix_socket(path, _left(timeout), socket_options))
-
-    def sleep(self, seconds: float) -> None:
-        self._backend.sleep(seconds)

@@ -36,6 +36,7 @@ from typing import IO
 
 from lorasync._adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, Adapter
 from lorasync._names import validate_name, validate_version
+from lorasync.transports._fsutil import errno_of, fsync_dir, fsync_file, remove_version, try_lock
 from lorasync.errors import ConfigError, PublishError, StorageError
 
 __all__ = ["DiskStore", "default_root", "new_run_id"]
@@ -211,7 +212,7 @@ class DiskStore:
             run_dir = self.root / name / run
             if run_dir in _OWNED:
                 continue  # this process's own earlier run: its in-process engines may still serve it
-            probe = _try_lock(run_dir / OWNER_LOCK)
+            probe = try_lock(run_dir / OWNER_LOCK)
             if probe is None:
                 continue  # a live owner
             try:
@@ -221,7 +222,7 @@ class DiskStore:
                     if keep(run, version):
                         left = True
                         continue
-                    if _remove_version(run_dir / f"v{version}"):
+                    if remove_version(run_dir / f"v{version}"):
                         removed.append(run_dir / f"v{version}")
                 if not left and not _versions_in(run_dir):
                     shutil.rmtree(run_dir, ignore_errors=True)
@@ -262,14 +263,14 @@ class DiskStore:
             if self.holders_of is not None:
                 (tmp / HOLDERS).write_text(json.dumps({"holders": sorted(set(self.holders_of(name, version))), "unloaded_at": None}))
             for fname in (ADAPTER_WEIGHTS, ADAPTER_CONFIG, META):
-                _fsync_file(tmp / fname)
-            _fsync_dir(tmp)
+                fsync_file(tmp / fname)
+            fsync_dir(tmp)
             written = sum((tmp / f).stat().st_size for f in (ADAPTER_WEIGHTS, ADAPTER_CONFIG, META))
             os.rename(tmp, final)
-            _fsync_dir(run_dir)
+            fsync_dir(run_dir)
         except OSError as exc:
             shutil.rmtree(tmp, ignore_errors=True)
-            if _errno(exc) in (errno.ENOTEMPTY, errno.EEXIST) and final.exists():
+            if errno_of(exc) in (errno.ENOTEMPTY, errno.EEXIST) and final.exists():
                 # Only this run's owner writes here, so this is a second writer of the same version
                 # inside this publisher; equal content is the same publish.
                 if self.content_hash(name, version) == digest:
@@ -280,7 +281,7 @@ class DiskStore:
                     adapter=name,
                     version=version,
                 ) from exc
-            if _errno(exc) == errno.ENOSPC:
+            if errno_of(exc) == errno.ENOSPC:
                 raise StorageError(
                     f"cannot publish {name} v{version}: the store's filesystem ({self.root}) is full; free space, lower keep=, "
                     "or use a bigger root= (nothing of this version was left behind)",
@@ -332,19 +333,9 @@ class DiskStore:
         """
         final = self.path_for(name, version)
         try:
-            _remove_version(final)
+            remove_version(final)
         except OSError as exc:
             raise StorageError(f"cannot remove {final}: {exc}", adapter=name, version=version) from exc
-
-
-def _errno(exc: BaseException) -> int | None:
-    """The OS error number of ``exc`` or of what it was raised from (lorasync wraps OSErrors)."""
-    seen: BaseException | None = exc
-    while seen is not None:
-        if isinstance(seen, OSError) and seen.errno is not None:
-            return seen.errno
-        seen = seen.__cause__
-    return None
 
 
 def _versions_in(run_dir: Path) -> list[int]:
@@ -364,17 +355,6 @@ def _recorded_hash(path: Path) -> str | None:
         return None
 
 
-def _remove_version(final: Path) -> bool:
-    """Rename out of sight, then delete; False when it was already gone."""
-    trash = final.parent / f".trash-{final.name}-{secrets.token_hex(4)}"
-    try:
-        os.rename(final, trash)
-    except FileNotFoundError:
-        return False
-    shutil.rmtree(trash, ignore_errors=True)
-    return True
-
-
 def _remove_hidden(run_dir: Path) -> None:
     """Temp and trash directories inside a run are only ever its owner's half-finished work."""
     try:
@@ -384,33 +364,3 @@ def _remove_hidden(run_dir: Path) -> None:
     for entry in entries:
         if entry.name.startswith(_HIDDEN):
             shutil.rmtree(entry, ignore_errors=True)
-
-
-def _try_lock(path: Path) -> IO[bytes] | None:
-    """The lock at ``path`` taken exclusively without waiting, or None when a live owner holds it."""
-    try:
-        handle = open(path, "ab")  # noqa: SIM115 - closed by the caller
-    except OSError:
-        return None
-    try:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        handle.close()
-        return None
-    return handle
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
