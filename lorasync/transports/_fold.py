@@ -108,7 +108,7 @@ Bucket = dict[str, torch.Tensor]
 class SharedFold:
     """One ``fold_buckets`` stream read by several consumers (thread-safe).
 
-    Every consumer :meth:`join`\ s before the first bucket is folded (a consumer arriving later
+    Every consumer calls :meth:`join` before the first bucket is folded (a consumer arriving later
     gets ``None`` and folds on its own); each reader yields every bucket once, in order. The
     first reader to ask for a bucket folds it while the others wait; a reader that stops early
     (an engine failed) leaves, so the buckets it will not take are not kept for it. A failing

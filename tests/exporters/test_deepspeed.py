@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from _dist import run_distributed  # noqa: E402
+from support import run_distributed
 
 pytest.importorskip("deepspeed")
 
