@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from lorasync._adapter import ADAPTER_CONFIG, Adapter
+from lorasync.engines._inflight import InFlight
 from lorasync.engines._base import Capabilities, Engine
 from lorasync.errors import (
     AdapterAlreadyLoadedError,
@@ -112,8 +113,7 @@ class PeftEngine(Engine):
         # Held from begin_weight_update to end_weight_update (possibly by different threads, so
         # a plain Lock): inference waits instead of seeing half of a merged update.
         self._update_gate = threading.Lock()
-        self._in_flight: dict[str, int] = {}  # adapter name -> generations running or waiting on it
-        self._in_flight_guard = threading.Lock()
+        self._in_flight = InFlight()  # generations running or waiting, per adapter
 
     # -- the Engine protocol ------------------------------------------------------------------
 
@@ -272,26 +272,7 @@ class PeftEngine(Engine):
 
     def adapters_in_use(self) -> frozenset[str]:
         """Adapters a generation runs on or waits for (exact: every request passes through here)."""
-        with self._in_flight_guard:
-            return frozenset(self._in_flight)
-
-    @contextlib.contextmanager
-    def _request(self, adapter: str | None) -> Iterator[None]:
-        # Counted before the model lock is taken, so a waiting request shows as in use too.
-        if adapter is None:
-            yield
-            return
-        with self._in_flight_guard:
-            self._in_flight[adapter] = self._in_flight.get(adapter, 0) + 1
-        try:
-            yield
-        finally:
-            with self._in_flight_guard:
-                left = self._in_flight[adapter] - 1
-                if left:
-                    self._in_flight[adapter] = left
-                else:
-                    del self._in_flight[adapter]
+        return self._in_flight.names()
 
     def update_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> None:
         """Copy ``named_tensors`` into the base model's parameters, in place.
@@ -367,7 +348,7 @@ class PeftEngine(Engine):
         if max_new_tokens < 0:
             raise ConfigError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         ids = self._input_ids(prompt_ids)
-        with self._request(adapter), self._lock, self._active(adapter) as model, self._translate("generate", adapter), torch.no_grad():
+        with self._in_flight.track(adapter), self._lock, self._active(adapter) as model, self._translate("generate", adapter), torch.no_grad():
             if max_new_tokens == 0:
                 return []
             out = model.generate(

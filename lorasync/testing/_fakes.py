@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from lorasync._adapter import ADAPTER_CONFIG, Adapter
 from lorasync.engines._base import Capabilities, Engine
+from lorasync.engines._inflight import InFlight
 from lorasync.errors import (
     AdapterAlreadyLoadedError,
     AdapterNotFoundError,
@@ -237,7 +238,7 @@ class MemoryEngine(Engine):
         self.weights: dict[str, torch.Tensor] = {}
         self.ops: list[str] = []
         self._lock = threading.RLock()
-        self._requests: dict[str, int] = {}
+        self._requests = InFlight()
 
     # -- test controls -------------------------------------------------------------------------
 
@@ -252,23 +253,9 @@ class MemoryEngine(Engine):
         with self._lock:
             if name not in self._adapters:
                 raise AdapterNotFoundError(f"adapter {name!r} is not loaded; loaded: {sorted(self._adapters)}", engine=self.kind, adapter=name)
-            self._requests[name] = self._requests.get(name, 0) + 1
             adapter = self._adapters[name]
-        try:
+        with self._requests.track(name):
             yield adapter
-        finally:
-            with self._lock:
-                left = self._requests[name] - 1
-                if left:
-                    self._requests[name] = left
-                else:
-                    del self._requests[name]
-
-    def fail_next(self, op: str, error: BaseException, *, times: int = 1) -> None:
-        """Make the next ``times`` calls of ``op`` (e.g. ``"load_adapter"``) raise ``error``
-        before doing anything."""
-        with self._lock:
-            self._failures.setdefault(op, []).extend([error] * times)
 
     @property
     def adapters(self) -> Mapping[str, Adapter]:
@@ -345,8 +332,7 @@ class MemoryEngine(Engine):
 
     def adapters_in_use(self) -> frozenset[str]:
         """Names with a :meth:`request` running (exact: this engine sees every request)."""
-        with self._lock:
-            return frozenset(self._requests)
+        return self._requests.names()
 
     def update_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> None:
         with self._lock:
