@@ -48,7 +48,9 @@ class EngineHandle:
 
     @property
     def reloads(self) -> bool:
-        return bool(self._caps is not None and self._caps.reloads_from_path)
+        """The engine may read a version's files again after it let go of it: vLLM rebuilds an
+        evicted adapter from its path, SGLang reloads an unloaded name a request still asks for."""
+        return bool(self._caps is not None and (self._caps.reloads_from_path or self._caps.unload_drains))
 
     @property
     def drains(self) -> bool:
@@ -114,6 +116,12 @@ class EngineHandle:
         window = policy.window(list(future), pins)
         busy = await self.in_use()
         early = [v for v in sorted(ledger.versions) if v not in window and (busy is None or served_name(self.name, v) not in busy)]
+        if busy is None:
+            # Requests unknown (SGLang, whose unload then waits for them): only as many as the load
+            # needs, so an engine with room never waits on a draining unload before it loads.
+            early = early[: max(0, len(loaded) + 1 - caps.max_loras)]
+        elif len(loaded) - len(early) + 1 > caps.max_loras:
+            early = []  # not enough room even so: refuse below, before unloading anything
         if len(loaded) - len(early) + 1 > caps.max_loras:
             others = sorted(n for n in loaded if (parse_served_name(n) or ("", 0))[0] != self.name)
             advice = []

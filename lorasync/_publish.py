@@ -343,13 +343,13 @@ class Publisher:
 
         with_files = transport.versioned and transport.name == "disk"
         if with_files:
-            self._files.loading(version, handle.engine_id, reloads=caps.reloads_from_path)
+            self._files.loading(version, handle.engine_id, reloads=handle.reloads)
         previous = ledger.in_place
         try:
             delivery = await transport.deliver(adapter, engine, caps, name=self.name, version=version, served=served)
         except BaseException:
             if with_files:
-                self._files.released(version, handle.engine_id, reloads=caps.reloads_from_path)
+                self._files.released(version, handle.engine_id, reloads=handle.reloads)
             raise
         result.timings.update(delivery.timings)
         result.bytes_moved = delivery.bytes_moved
