@@ -257,6 +257,12 @@ class MemoryEngine(Engine):
         with self._requests.track(name):
             yield adapter
 
+    def fail_next(self, op: str, error: BaseException, *, times: int = 1) -> None:
+        """Make the next ``times`` calls of ``op`` (e.g. ``"load_adapter"``) raise ``error``
+        before doing anything."""
+        with self._lock:
+            self._failures.setdefault(op, []).extend([error] * times)
+
     @property
     def adapters(self) -> Mapping[str, Adapter]:
         """Read-only view of the loaded adapters by name."""
