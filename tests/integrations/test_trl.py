@@ -49,7 +49,7 @@ class _Witness(TrainerCallback):
         model.eval()
         expected = _greedy(model, PROMPT, 6)
         model.train(was)
-        self.steps.append((state.global_step, expected, self.serve(self.engine, f"policy@v{state.global_step}"), export(model)))
+        self.steps.append((state.global_step, expected, self.serve(self.engine, f"policy@v{state.global_step}"), export(model, copy=True)))  # a snapshot kept past the step: copied (export does not copy by default)
 
 
 def _peft_serve(engine: Any, served: str) -> tuple[list[int], list[float]]:
