@@ -18,10 +18,10 @@ py="$venv/bin/python"
 # lorasync itself is imported inside the engine (worker extension) from the repo via PYTHONPATH;
 # of its runtime deps tenacity and peft are missing from vLLM's own set (peft: the in-process
 # engine runs lorasync's whole publish path there); pytest runs the in-process engine's tests.
-ENGINE_EXTRAS=(tenacity peft pytest)
+ENGINE_EXTRAS=(tenacity peft pytest xxhash prometheus-client)
 
 if [ -f "$venv/.ready" ] && "$py" -c "import vllm, transformers" >/dev/null 2>&1; then
-  "$py" -c "import tenacity, peft, pytest" >/dev/null 2>&1 || "$py" -m pip install -q "${ENGINE_EXTRAS[@]}" 2>&1 | grep -v "is ignored" >&2 || true
+  "$py" -c "import tenacity, peft, pytest, xxhash, prometheus_client" >/dev/null 2>&1 || "$py" -m pip install -q "${ENGINE_EXTRAS[@]}" 2>&1 | grep -v "is ignored" >&2 || true
   echo "$py"
   exit 0
 fi
