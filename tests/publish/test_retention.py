@@ -199,3 +199,32 @@ def test_warnings_are_typed():
         from lorasync.errors import LoraSyncWarning
 
         assert issubclass(RetentionWarning, LoraSyncWarning)
+
+
+def test_a_publisher_started_after_another_was_killed_publishes_from_version_0(tmp_path):
+    import signal
+
+    root = tmp_path / "store"
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the first job: publishes, then dies without a word
+        try:
+            engine = MemoryEngine()
+            pub = Publisher([engine], name="policy", keep=2, root=root)
+            for v in range(3):
+                pub.publish(adapter(v), version=v)
+            os.kill(os.getpid(), signal.SIGKILL)
+        finally:
+            os._exit(1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    (dead_run,) = os.listdir(root / "policy")
+    # The next job on this host, same root and name, starts again at version 0 with other content.
+    engine = MemoryEngine()
+    pub = Publisher([engine], name="policy", keep=2, root=root)
+    for v in range(3):
+        report = pub.publish(adapter(50 + v), version=v)
+        assert report.ok, report
+    assert sorted(engine.list_adapters()) == ["policy@v1", "policy@v2"]
+    # The dead job's versions were swept (its engine died with it); its run directory is gone.
+    assert dead_run not in os.listdir(root / "policy") and os.listdir(root / "policy") == [pub.run]
+    pub.close()
