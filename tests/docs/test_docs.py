@@ -234,7 +234,9 @@ def _run_bash(block: Block, code: str, tmp: Path) -> None:
 
     bindir = Path(sys.executable).parent
     port = str(free_port())  # a server a block starts never collides with another one
-    code = code.replace(".venv/bin/", f"{bindir}/").replace("/tmp/", f"{tmp}/")
+    # /tmp/ first, and only where the block itself writes it: the checkout (and so bindir) may
+    # live under /tmp too.
+    code = re.sub(r"(?<![\w./-])/tmp/", f"{tmp}/", code).replace(".venv/bin/", f"{bindir}/")
     code = code.replace("127.0.0.1:8000", f"127.0.0.1:{port}").replace("--port 8000", f"--port {port}")
     env = {**os.environ, "PATH": f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}", "PYTHONPATH": str(REPO)}
     # Own process group: whatever the block leaves running (a server after a failed step) is

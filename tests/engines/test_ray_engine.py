@@ -25,6 +25,8 @@ PROMPT = [5, 6, 7, 8]
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[None]:
+    if ray.is_initialized():  # a cluster left by earlier code of this process (a docs block)
+        ray.shutdown()
     ray.init(
         num_cpus=2,
         object_store_memory=128 * 1024**2,

@@ -106,6 +106,8 @@ class TestWithoutLoraWithApiKey:
 
     def test_key_never_shown(self, locked: VLLMServer, adapter_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
         caplog.set_level(logging.DEBUG)  # httpx/httpcore log every request at DEBUG
+        for name in ("httpx", "httpcore", "lorasync"):  # whatever level an earlier CLI run in this process set
+            caplog.set_level(logging.DEBUG, logger=name)
         engine = VLLMEngine(locked.url, api_key=API_KEY)
         errors: list[Exception] = []
         try:
