@@ -65,6 +65,8 @@ class Registry:
             raise RegistryError(f"{self._what} name must be a non-empty string, got {name!r}")
         if isinstance(target, str) and ":" not in target:
             raise RegistryError(f"lazy target for {name!r} must look like 'package.module:Class', got {target!r}")
+        if isinstance(target, str):
+            target = MOVED_TARGETS.get(target, target)
         with self._lock:
             current = self._targets.get(name)
             if current is not None and not clobber and not _same(current, target):
@@ -148,6 +150,13 @@ def _load(target: str) -> Any:
     return obj
 
 
+# Built-in targets that moved, old -> new. The old module still re-exports the class, so both
+# name the same one: metadata written before the move (an editable install not reinstalled since)
+# or a plugin registering the old target counts as the new target and never clashes with it.
+MOVED_TARGETS = {
+    "lorasync.engines.peft_local:PeftEngine": "lorasync.engines.peft:PeftEngine",
+}
+
 engine_registry = Registry(ENGINE_GROUP, what="engine")
 
 # The built-ins, registered here too (same targets as pyproject's entry points, so discovery
@@ -157,7 +166,7 @@ BUILTIN_ENGINES = {
     "vllm": "lorasync.engines.vllm:VLLMEngine",
     "vllm-inprocess": "lorasync.engines.vllm.inprocess:VLLMInProcessEngine",
     "sglang": "lorasync.engines.sglang:SGLangEngine",
-    "peft": "lorasync.engines.peft_local:PeftEngine",
+    "peft": "lorasync.engines.peft:PeftEngine",
     "ray": "lorasync.engines.ray_actor:RayEngine",
 }
 for _name, _target in BUILTIN_ENGINES.items():

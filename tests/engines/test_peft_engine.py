@@ -14,7 +14,7 @@ import torch
 from lorasync import Adapter, AdapterConfig
 from lorasync._keys import peft_key
 from lorasync.engines import Capabilities, connect
-from lorasync.engines.peft_local import PeftEngine
+from lorasync.engines.peft import PeftEngine
 from lorasync.errors import (
     AdapterAlreadyLoadedError,
     AdapterNotFoundError,

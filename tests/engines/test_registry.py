@@ -21,7 +21,7 @@ import pytest
 
 from lorasync.engines._registry import Registry
 from lorasync.engines import ENGINE_GROUP, Engine, available_engines, connect
-from lorasync.engines.peft_local import PeftEngine
+from lorasync.engines.peft import PeftEngine
 from lorasync.errors import ConfigError, DuplicateRegistrationError, RegistryError, UnknownEngineError
 from lorasync.testing import EngineConformance, MemoryEngine
 
@@ -150,7 +150,7 @@ def test_entry_points_are_discovered_once_and_broken_ones_skipped(
             ("missing", "lorasync_no_such_plugin:Engine"),  # listed; fails only when asked for
             # a plugin claiming a built-in's name, listed first: the built-in still wins
             ("peft", "some_plugin:NotPeft"),
-            ("peft", "lorasync.engines.peft_local:PeftEngine"),
+            ("peft", "lorasync.engines.peft:PeftEngine"),
         ],
     )
     reg = Registry("lorasync.test_engines")
@@ -175,7 +175,7 @@ def test_builtins_come_from_lorasyncs_own_entry_points() -> None:
     targets = private.available()
     assert targets["vllm"] == "lorasync.engines.vllm:VLLMEngine"
     assert targets["sglang"] == "lorasync.engines.sglang:SGLangEngine"
-    assert targets["peft"] == "lorasync.engines.peft_local:PeftEngine"
+    assert targets["peft"] == "lorasync.engines.peft:PeftEngine"
     assert private.get("peft") is PeftEngine
     assert {"vllm", "sglang", "peft"} <= set(available_engines())
 
@@ -189,7 +189,26 @@ def test_importing_lorasync_imports_no_engine_implementation() -> None:
         [sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=120, check=True
     )
     loaded = out.stdout.strip()
-    assert "peft_local" not in loaded and "vllm" not in loaded and "transformers" not in loaded, loaded
+    assert "lorasync.engines.peft" not in loaded and "vllm" not in loaded and "transformers" not in loaded, loaded
+
+
+def test_a_moved_builtin_target_counts_as_its_new_one() -> None:
+    """``lorasync.engines.peft_local`` (the PEFT engine's old module) still names the built-in:
+    metadata written before the move and plugins that register the old target do not clash."""
+    reg = Registry()
+    reg.register("peft", "lorasync.engines.peft:PeftEngine")
+    reg.register("peft", "lorasync.engines.peft_local:PeftEngine")  # the same class: no DuplicateRegistrationError
+    assert reg.available()["peft"] == "lorasync.engines.peft:PeftEngine"
+    assert reg.get("peft") is PeftEngine
+    with pytest.raises(DuplicateRegistrationError):
+        reg.register("peft", f"{__name__}:EngineA")
+
+
+def test_the_old_peft_module_is_a_deprecated_alias() -> None:
+    sys.modules.pop("lorasync.engines.peft_local", None)
+    with pytest.warns(DeprecationWarning, match="lorasync.engines.peft"):
+        from lorasync.engines.peft_local import PeftEngine as Old
+    assert Old is PeftEngine
 
 
 # -- an installed third-party plugin ------------------------------------------------------------

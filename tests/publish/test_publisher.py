@@ -144,7 +144,7 @@ def test_rank_above_engine_max_refused_before_bytes_move(trainer, tmp_path):
 
 
 def test_rank_above_max_falls_back_to_merged_when_base_given(trainer, peft_engine, tiny_model_dir, tmp_path):
-    from lorasync.engines.peft_local import PeftEngine
+    from lorasync.engines.peft import PeftEngine
 
     engine = PeftEngine(base_model_path=tiny_model_dir, max_rank=4)
     model = trainer(seed=2, r=8)

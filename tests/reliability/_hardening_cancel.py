@@ -50,7 +50,7 @@ class _Hooks:
 
 
 def _instrumented(hooks: _Hooks) -> tuple[Any, Any]:
-    from lorasync.engines.peft_local import PeftEngine
+    from lorasync.engines.peft import PeftEngine
     from lorasync.testing import make_tiny_model
 
     class HookedPeftEngine(PeftEngine):

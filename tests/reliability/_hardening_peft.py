@@ -52,7 +52,7 @@ def run_peft_configs() -> dict[str, Any]:
     multi-adapter paths are exercised too) and unloaded again."""
     from peft import PeftModel
 
-    from lorasync.engines.peft_local import PeftEngine
+    from lorasync.engines.peft import PeftEngine
 
     tried = handled = 0
     violations: list[str] = []

@@ -21,7 +21,7 @@ def run_probe_power(seeds: tuple[int, ...] = (3, 4, 5)) -> dict[str, Any]:
     """``tried``: (training, prompt) pairs; ``handled``: the probe stated its power correctly
     (and warned when blind), strict mode failed the stale engine and passed the fresh one.
     ``blind_default``: pairs where the default probe let the stale engine pass."""
-    from lorasync.engines.peft_local import PeftEngine
+    from lorasync.engines.peft import PeftEngine
     from lorasync.exporters.fsdp import export
     from lorasync.testing import make_peft_model, make_tiny_model
 

@@ -37,7 +37,7 @@ def run_stale_unchanged(base_dir: Path | None = None, *, steps: int = 3) -> dict
     from transformers import AutoModelForCausalLM
 
     from lorasync import Adapter, Publisher
-    from lorasync.engines.peft_local import PeftEngine
+    from lorasync.engines.peft import PeftEngine
     from lorasync.exporters.fsdp import export
     from lorasync.testing import make_peft_model, make_tiny_model
 
