@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import sys
 import threading
 from collections.abc import Mapping
 from importlib import metadata
@@ -130,7 +131,15 @@ def _builtin_first(ep: metadata.EntryPoint) -> tuple[int, str]:
 
 
 def _same(a: str | type, b: str | type) -> bool:
-    return _describe(a) == _describe(b)
+    if _describe(a) == _describe(b):
+        return True
+    # A class and a lazy target naming it through a package's re-export
+    # ("lorasync.engines.peft:PeftEngine" for a class defined in lorasync.engines.peft.engine).
+    cls, target = (a, b) if isinstance(a, type) else (b, a)
+    if not (isinstance(cls, type) and isinstance(target, str)):
+        return False
+    module = sys.modules.get(target.partition(":")[0])  # only what is imported already: stay lazy
+    return module is not None and getattr(module, target.partition(":")[2], None) is cls
 
 
 def _describe(target: str | type) -> str:

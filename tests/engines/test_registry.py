@@ -204,6 +204,15 @@ def test_a_moved_builtin_target_counts_as_its_new_one() -> None:
         reg.register("peft", f"{__name__}:EngineA")
 
 
+def test_a_class_and_the_lazy_target_that_re_exports_it_are_the_same() -> None:
+    reg = Registry()
+    reg.register("peft", "lorasync.engines.peft:PeftEngine")
+    reg.register("peft", PeftEngine)  # defined in lorasync.engines.peft.engine: no DuplicateRegistrationError
+    assert reg.get("peft") is PeftEngine
+    with pytest.raises(DuplicateRegistrationError):
+        reg.register("peft", EngineA)
+
+
 def test_the_old_peft_module_is_a_deprecated_alias() -> None:
     sys.modules.pop("lorasync.engines.peft_local", None)
     with pytest.warns(DeprecationWarning, match="lorasync.engines.peft"):
