@@ -11,7 +11,7 @@ spec written by another lorasync release instead of misreading it:
 * :class:`ShmStage` — an adapter (``token`` set) or base weights (no token) in one shared-memory
   segment, ``{"version": 1, "token": ..., "shm": ..., "nbytes": ...}``;
 * :class:`CudaStage` — an adapter packed in one GPU buffer shared by a CUDA IPC handle, the
-  token beside the CUDA IPC spec of ``lorasync.transports._cuda_ipc`` (which is versioned itself:
+  token beside the CUDA IPC spec of ``lorasync.wire.cuda_ipc`` (which is versioned itself:
   ``{"token": ..., "version": SPEC_VERSION, "header": ..., "ipc": ...}``).
 """
 
@@ -140,7 +140,7 @@ class CudaStage:
     Args:
         token (`str`): the adapter's staging token.
         ipc (`Mapping`): ``CudaExport.spec`` (versioned and validated by
-            ``lorasync.transports._cuda_ipc``, which the worker calls to map it).
+            ``lorasync.wire.cuda_ipc``, which the worker calls to map it).
     """
 
     token: str

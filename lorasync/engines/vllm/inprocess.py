@@ -316,7 +316,7 @@ class VLLMInProcessEngine(StepDriver, Engine):
             self._served[name] = request
 
     def _load_tensors(self, name: str, adapter: Adapter) -> Op[None]:
-        from lorasync.transports._d2h import to_shm_segment
+        from lorasync.wire.d2h import to_shm_segment
 
         yield from self._ready(name)
         caps = yield from self._capabilities()

@@ -40,9 +40,9 @@ from typing import Any
 import torch
 
 from lorasync.engines.vllm._protocol import CONFIG_KEY, IPC_PREFIX, CudaStage, ShmStage, check_token
-from lorasync.errors import ConfigError
-from lorasync.transports._cuda_ipc import CudaIpcUnavailable, import_tensors
-from lorasync.transports._shm import read_segment
+from lorasync.errors import ConfigError, CudaIpcUnavailableError
+from lorasync.wire.cuda_ipc import import_tensors
+from lorasync.wire.shm import read_segment
 
 __all__ = ["CONFIG_KEY", "IPC_PREFIX", "LoraSyncWorkerExtension"]
 
@@ -83,7 +83,7 @@ class LoraSyncWorkerExtension:
         token = stage.token
         try:
             tensors, metadata = import_tensors(stage.ipc, device="cpu")
-        except CudaIpcUnavailable as exc:
+        except CudaIpcUnavailableError as exc:
             return {"token": token, "staged": False, "reason": str(exc)}
         return _stage(self, token, tensors, metadata)
 
