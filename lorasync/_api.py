@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from lorasync._probe import Probe
 from lorasync._publish import AdapterLike, Publisher, _aclose_all
 from lorasync._report import PublishReport
-from lorasync.engines._base import Engine
+from lorasync.engines._engine import Engine
 from lorasync.transports._base_weights import BaseWeights
 from lorasync.transports._store import default_root, new_run_id
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from lorasync._adapter import Adapter
-from lorasync.engines._base import Capabilities, Engine
+from lorasync.engines._engine import Capabilities, Engine
 from lorasync.errors import AdapterRejectedError, CapabilityError, ConfigError, LoraNotEnabledError, LoraSyncError
-from lorasync.transports._base import Transport
+from lorasync.transports._transport import Transport
 
 __all__ = ["TRANSPORTS", "choose_transport"]
 

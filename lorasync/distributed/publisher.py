@@ -39,7 +39,7 @@ from lorasync._report import EngineResult
 from lorasync.distributed._report import DistributedPublishReport, NodeResult, decode_node, encode_node
 from lorasync.distributed._roles import default_leader, default_node, resolve, version_mismatch
 from lorasync.distributed._wire import decode_adapter, decode_error, encode_adapter, encode_error
-from lorasync.engines._base import Engine
+from lorasync.engines._engine import Engine
 from lorasync.errors import ConfigError, LoraSyncError, PublishError, TransportError
 
 __all__ = ["LOCAL_TRANSPORTS", "DistributedPublisher"]

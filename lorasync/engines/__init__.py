@@ -2,7 +2,7 @@
 in-process PEFT engine, and a registry that plugins join through the ``lorasync.engines``
 entry-point group."""
 
-from lorasync.engines._base import Capabilities, Engine
+from lorasync.engines._engine import Capabilities, Engine
 from lorasync.engines._registry import (
     ENGINE_GROUP,
     available_engines,

@@ -36,7 +36,7 @@ def split_userinfo(url: str) -> tuple[str, str | None, str | None]:
 
     The credentials end at the last ``@`` of the authority, so a password may hold ``#``, ``/``,
     ``?`` or ``@`` unencoded (a standard parser would end the authority early and take part of the
-    password for a host or port). A base URL with ``@`` in its path is not supported.
+    password for a host or port). A URL with ``@`` in its path is not supported.
 
     Raises:
         ConfigError: a URL that is still invalid once the credentials are out (never shown

@@ -18,7 +18,7 @@ def is_same_host(url: str, override: bool | None = None) -> bool:
     """True when ``url`` reaches an engine on this host.
 
     Args:
-        url (`str`): the engine's base URL (``http://127.0.0.1:8000``).
+        url (`str`): the engine's URL (``http://127.0.0.1:8000``).
         override (`bool`, *optional*): the user's explicit answer (an engine behind a
             non-loopback address that shares this host's filesystem); wins when given.
 

@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 import httpx
 
 from lorasync._retry import RetryableStatus, RetryPolicy
-from lorasync.engines._base import Engine
+from lorasync.engines._engine import Engine
 from lorasync.engines._credentials import clean_key as _clean_key
 from lorasync.engines._credentials import split_userinfo as _split_userinfo
 from lorasync.engines._deadline import DEADLINE as _DEADLINE
@@ -82,10 +82,10 @@ def body_json(response: httpx.Response) -> Any | None:
 
 
 class HTTPEngine(Engine):
-    """Base of engine clients that talk HTTP.
+    """What the engine clients that talk HTTP subclass.
 
     Args:
-        url (`str`): the server's base URL, e.g. ``http://127.0.0.1:8000``.
+        url (`str`): the server's URL, e.g. ``http://127.0.0.1:8000``.
         api_key (`str`, *optional*): sent as ``Authorization: Bearer``; never logged or shown
             in ``repr``. Defaults to the env var named by ``api_key_env``.
         timeout (`float`): seconds per request (loads can take a while on big adapters).

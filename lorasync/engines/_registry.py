@@ -19,7 +19,7 @@ from importlib import metadata
 from types import MappingProxyType
 from typing import Any
 
-from lorasync.engines._base import Engine
+from lorasync.engines._engine import Engine
 from lorasync.errors import ConfigError, DuplicateRegistrationError, RegistryError, UnknownEngineError
 
 __all__ = [
@@ -201,7 +201,7 @@ def connect(kind: str, url: str = "", *, registry: Registry | None = None, **opt
     Args:
         kind (`str`): ``"vllm"``, ``"vllm-inprocess"``, ``"sglang"``, ``"peft"``, ``"ray"`` or a
             plugin's name.
-        url (`str`): the server's base URL (engines that run in-process ignore it).
+        url (`str`): the server's URL (engines that run in-process ignore it).
         registry (`Registry`, *optional*): look ``kind`` up here instead of the global registry.
         **options: passed to the client's constructor (``api_key``, ``timeout``, ``retries``...).
 

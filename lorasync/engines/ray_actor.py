@@ -22,7 +22,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from lorasync.engines._base import Capabilities, Engine
+from lorasync.engines._engine import Capabilities, Engine
 from lorasync.errors import ConfigError, EngineError, EngineTimeoutError, EngineUnavailableError, LoraSyncError
 
 if TYPE_CHECKING:

@@ -93,8 +93,8 @@ def export(
 
     if isinstance(rank, Mapping) and not rank:
         raise ConfigError("rank= is an empty mapping; pass one int or a rank for every module")
-    base = config or (AdapterConfig.from_peft(peft_cfg) if peft_cfg is not None else None)
-    if base is None:
+    given = config or (AdapterConfig.from_peft(peft_cfg) if peft_cfg is not None else None)
+    if given is None:
         if alpha is None:
             raise ConfigError("exporting from a state dict needs alpha= (lora_alpha) or config=")
         # The tensors' own rank: A's rows (B's columns when A is missing). Malformed tensors get
@@ -102,7 +102,7 @@ def export(
         ranks = [t.shape[-2] for k, t in raw.items() if k.endswith(".lora_A.weight") and t.dim() >= 2]
         ranks = ranks or [t.shape[-1] for t in raw.values() if t.dim() >= 1]
         real = rank if isinstance(rank, int) else max(ranks, default=1)
-        base = AdapterConfig(r=real, lora_alpha=alpha)
+        given = AdapterConfig(r=real, lora_alpha=alpha)
     # Derived from what is exported, never from a pattern like "all-linear".
     changes: dict[str, Any] = {"target_modules": ()}
     if isinstance(rank, int):
@@ -116,7 +116,7 @@ def export(
         changes["lora_alpha"] = alpha
     if base_model_name_or_path is not None:
         changes["base_model_name_or_path"] = base_model_name_or_path
-    cfg = base.with_(**changes)
+    cfg = given.with_(**changes)
 
     if rank is not None:
         raw = trim_rank(raw, rank)

@@ -24,7 +24,7 @@ from transformers import TrainerCallback
 from lorasync._probe import Probe
 from lorasync._publish import Publisher
 from lorasync._report import PublishReport
-from lorasync.engines._base import Engine
+from lorasync.engines._engine import Engine
 from lorasync.errors import ConfigError
 from lorasync.exporters.fsdp import export
 

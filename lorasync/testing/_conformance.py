@@ -28,7 +28,7 @@ import torch
 from lorasync._adapter import Adapter
 from lorasync._config import AdapterConfig
 from lorasync._keys import peft_key
-from lorasync.engines._base import Capabilities, Engine
+from lorasync.engines._engine import Capabilities, Engine
 from lorasync.errors import (
     AdapterAlreadyLoadedError,
     AdapterNotFoundError,

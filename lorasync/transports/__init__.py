@@ -4,7 +4,7 @@
 no files) and ``merged`` (W0 + s·B·A folded from the pristine base, streamed in buckets).
 """
 
-from lorasync.transports._base import Delivery, Transport
+from lorasync.transports._transport import Delivery, Transport
 from lorasync.transports._base_weights import BaseWeights
 from lorasync.transports._store import DiskStore, default_root
 from lorasync.transports.disk import DiskTransport

@@ -1,5 +1,5 @@
 """Filesystem steps the disk store is built from: durable writes, out-of-sight removal, a
-non-blocking owner-lock probe, and the OS error number behind lorasync's wrapped OSErrors."""
+non-blocking owner-lock attempt, and the OS error number behind lorasync's wrapped OSErrors."""
 
 from __future__ import annotations
 

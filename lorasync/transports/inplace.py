@@ -11,12 +11,12 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from lorasync.transports._base import Delivery, Transport
+from lorasync.transports._transport import Delivery, Transport
 from lorasync.transports.disk import DiskTransport
 
 if TYPE_CHECKING:
     from lorasync._adapter import Adapter
-    from lorasync.engines._base import Capabilities, Engine
+    from lorasync.engines._engine import Capabilities, Engine
 
 __all__ = ["InPlaceTransport"]
 

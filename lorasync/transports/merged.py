@@ -23,13 +23,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from lorasync.transports._base import Delivery, Transport
+from lorasync.transports._transport import Delivery, Transport
 from lorasync.transports._base_weights import BaseWeights
 from lorasync.transports._fold import SharedFold, fold_buckets
 
 if TYPE_CHECKING:
     from lorasync._adapter import Adapter
-    from lorasync.engines._base import Capabilities, Engine
+    from lorasync.engines._engine import Capabilities, Engine
 
 __all__ = ["MergedTransport"]
 

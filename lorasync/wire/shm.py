@@ -142,7 +142,7 @@ def create_segment(nbytes: int, fill: Callable[[torch.Tensor], None]) -> ShmSegm
             try:
                 fill(view)
             finally:
-                del view  # an exported buffer would keep the segment from closing
+                del view  # a live view of the buffer would keep the segment from closing
     except BaseException:
         shm.close()
         shm.unlink()

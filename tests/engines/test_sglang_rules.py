@@ -13,7 +13,7 @@ import torch
 
 from lorasync import Adapter, AdapterConfig
 from lorasync._keys import peft_key
-from lorasync.engines._base import Capabilities
+from lorasync.engines._engine import Capabilities
 from lorasync.engines._hosts import is_same_host
 from lorasync.engines.sglang import SGLangEngine
 from lorasync.errors import IncompatibleAdapterError

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lorasync import Adapter, AdapterConfig, Publisher
-from lorasync.engines._base import Capabilities, Engine
+from lorasync.engines._engine import Capabilities, Engine
 from lorasync.errors import AdapterNotFoundError
 from lorasync.wire.shm import read_segment, write_segment
 

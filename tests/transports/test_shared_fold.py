@@ -62,7 +62,7 @@ def test_a_reader_that_leaves_releases_its_buckets() -> None:
 
 def test_publisher_folds_once_for_all_engines_with_the_same_bytes(monkeypatch, tmp_path) -> None:
     from lorasync import Adapter, AdapterConfig, BaseWeights, Publisher
-    from lorasync.engines._base import Capabilities, Engine
+    from lorasync.engines._engine import Capabilities, Engine
     from lorasync.transports import _fold
 
     class WeightEngine(Engine):

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, ClassVar
 
 from lorasync._retry import RetryPolicy
-from lorasync.engines._base import Capabilities
+from lorasync.engines._engine import Capabilities
 from lorasync.engines._hosts import is_same_host
 from lorasync.engines.sglang import rules
 from lorasync.engines.sglang.operations import SGLangOperations
@@ -49,7 +49,7 @@ class SGLangEngine(SGLangOperations):
     ``--tokenizer-worker-num 1`` and ``--dp-size 1`` for runtime LoRA updates.
 
     Args:
-        url (`str`): base URL, e.g. ``http://127.0.0.1:30000``.
+        url (`str`): the server's URL, e.g. ``http://127.0.0.1:30000``.
         version (`str`, *optional*, defaults to ``"0.5.23"``): the server's SGLang version,
             which picks request field names and the weight-update protocol; ``"auto"`` reads it
             from ``/server_info`` once.

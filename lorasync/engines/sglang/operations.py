@@ -14,7 +14,7 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from lorasync.engines._base import Capabilities
+from lorasync.engines._engine import Capabilities
 from lorasync.engines._versions import check_engine_version
 from lorasync.engines._http import Call, HTTPEngine, Operation, body_json, body_text
 from lorasync.engines.sglang import errors, rules

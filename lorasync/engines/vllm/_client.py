@@ -36,7 +36,7 @@ import httpx
 
 from lorasync._retry import RetryPolicy
 from lorasync.wire.d2h import to_shm_segment
-from lorasync.engines._base import Capabilities
+from lorasync.engines._engine import Capabilities
 from lorasync.engines._hosts import is_same_host
 from lorasync.engines._http import Call, HTTPEngine, Operation, body_json, body_text
 from lorasync.engines.vllm._bodies import Completion, adapter_roots, completion_of, lora_in_use
@@ -77,7 +77,7 @@ class VLLMEngine(HTTPEngine):
     """Load, unload and list LoRA adapters on a vLLM OpenAI server.
 
     Args:
-        url (`str`, defaults to ``"http://127.0.0.1:8000"``): the server's base URL.
+        url (`str`, defaults to ``"http://127.0.0.1:8000"``): the server's URL.
         api_key (`str`, *optional*): the server's ``--api-key``; defaults to ``$VLLM_API_KEY``.
             Never logged or shown in ``repr``.
         timeout (`float`): seconds per request; a load reads and validates the adapter first.
@@ -313,12 +313,12 @@ class VLLMEngine(HTTPEngine):
 
     def _capabilities(self) -> Operation[Capabilities]:
         # GET on a POST-only route: 405 when registered, 404 when runtime updating is off.
-        probe = yield Call("GET", LOAD_ROUTE)
-        if probe.status_code >= 500 and engine_dead(message_of(probe)):
-            raise generic(self, probe, LOAD_ROUTE, None, message_of(probe), "probe of the runtime LoRA route")
-        if probe.status_code not in (404, 405):
-            raise unexpected(self, probe, LOAD_ROUTE, None, EngineProtocolError, "probe of the runtime LoRA route")
-        runtime_lora = probe.status_code == 405
+        route = yield Call("GET", LOAD_ROUTE)
+        if route.status_code >= 500 and engine_dead(message_of(route)):
+            raise generic(self, route, LOAD_ROUTE, None, message_of(route), "the check of the runtime LoRA route")
+        if route.status_code not in (404, 405):
+            raise unexpected(self, route, LOAD_ROUTE, None, EngineProtocolError, "the check of the runtime LoRA route")
+        runtime_lora = route.status_code == 405
 
         lora, max_rank, max_loras, targets, extension_cls = True, self.max_rank, self.max_loras, None, ""
         info = yield Call("GET", SERVER_INFO_ROUTE, params={"config_format": "json"})
@@ -461,13 +461,13 @@ class VLLMEngine(HTTPEngine):
         worker cannot map them (no CUDA, another GPU set), after undoing any partial staging."""
         from lorasync.wire.cuda_ipc import export_tensors
 
-        export = export_tensors(adapter.tensors, {CONFIG_KEY: config})
+        shared = export_tensors(adapter.tensors, {CONFIG_KEY: config})
         try:
-            spec = CudaStage(token=token, ipc=export.spec).to_json()
+            spec = CudaStage(token=token, ipc=shared.spec).to_json()
             results = yield from self._rpc("lorasync_stage_adapter_cuda", spec, adapter=name)
         finally:
             # Every worker has its own copy (or failed): the trainer's buffer can go.
-            export.release()
+            shared.release()
         if results and all(isinstance(r, dict) and r.get("staged") is True for r in results):
             return True
         yield from self._rpc("lorasync_release_adapter", token, adapter=name, check=False)

@@ -28,7 +28,7 @@ import threading
 import uuid
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from lorasync.engines._base import Capabilities, Engine
+from lorasync.engines._engine import Capabilities, Engine
 from lorasync.engines.vllm._protocol import CONFIG_KEY, FUSED_MODULES, IPC_PREFIX, WORKER_EXTENSION, ShmStage
 from lorasync.engines.vllm._steps import Op, Step, StepDriver
 from lorasync.errors import (

@@ -1,0 +1,243 @@
+"""The engine protocol: one small class every engine client (built-in or plugin) subclasses.
+
+Required (sync): ``capabilities``, ``load_adapter``, ``unload_adapter``, ``list_adapters``.
+Optional: ``load_adapter_tensors`` (file-less IPC) and ``update_weights`` (merged fallback);
+both raise ``CapabilityError`` unless overridden. ``check_adapter`` holds the engine's own
+refusal rules (the publisher calls it before any bytes move, for every transport that serves
+LoRA); ``adapters_in_use`` tells which served names running or waiting requests use, so
+retirement never unloads a version under a decoding request. Async twins (``a``-prefixed) default to running
+the sync method in a worker thread; HTTP clients override them with real async I/O.
+
+Contract for implementers:
+
+* Every failure leaves as a ``lorasync.errors.EngineError`` subclass, never a foreign exception.
+* ``load_adapter(name, path)`` returns only once the engine serves ``name`` from ``path``.
+  If it raises, the engine still serves whatever it served before under other names.
+* ``unload_adapter`` of an unknown name raises ``AdapterNotFoundError``.
+* ``list_adapters`` returns the adapter names (not base models) the engine serves now.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from lorasync.errors import CapabilityError, IncompatibleAdapterError, LoraNotEnabledError, RankTooLargeError
+
+if TYPE_CHECKING:
+    import torch
+
+    from lorasync._adapter import Adapter
+
+__all__ = ["Capabilities", "Engine"]
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What an engine can do, as far as lorasync needs to know."""
+
+    engine: str
+    url: str = ""
+    lora: bool = True  # serves LoRA adapters at all
+    runtime_lora: bool = True  # can load/unload adapters while running
+    max_rank: int | None = None  # None: unknown
+    max_loras: int | None = None  # adapters it can hold at once without evicting; None: unknown
+    target_modules: frozenset[str] | None = None  # leaf names it can serve; None: any
+    tensor_load: bool = False  # load_adapter_tensors works (no files)
+    weight_update: bool = False  # update_weights works (merged fallback)
+    load_inplace: bool = False  # replace_adapter swaps one name atomically and safely
+    same_host: bool = True  # shares this host's filesystem / shared memory
+    in_process: bool = False  # lives in this Python process (tensors hand over directly)
+    # Re-reads a registered adapter from its path when it was evicted (vLLM's LRU): no hard slot
+    # limit, but the files must outlive every request that may need them.
+    reloads_from_path: bool = False
+    # Its unload waits for the requests running on that adapter (SGLang 0.5.23): an engine that
+    # cannot report requests in flight needs no grace period then.
+    unload_drains: bool = False
+    fused_modules: tuple[tuple[str, ...], ...] = ()  # leaf groups stored as one weight (merged updates send whole groups)
+    notes: tuple[str, ...] = field(default=())
+
+    def check(self, adapter: Adapter) -> None:
+        """Pre-flight: refuse, before any bytes move, an adapter this engine cannot serve.
+
+        Raises:
+            LoraNotEnabledError, RankTooLargeError, IncompatibleAdapterError.
+        """
+        if not self.lora:
+            raise LoraNotEnabledError(
+                f"{self.engine} at {self.url or '?'} serves no LoRA adapters; start it with LoRA "
+                "enabled or publish with transport='merged'",
+                engine=self.engine,
+                url=self.url,
+            )
+        rank = max(adapter.pair(m)[0].shape[0] for m in adapter.modules)
+        if self.max_rank is not None and rank > self.max_rank:
+            raise RankTooLargeError(
+                f"adapter rank {rank} exceeds {self.engine}'s max LoRA rank {self.max_rank}; restart the "
+                f"engine with a larger max rank (vLLM --max-lora-rank, SGLang --max-lora-rank) or train r <= {self.max_rank}",
+                engine=self.engine,
+                url=self.url,
+                rank=rank,
+                max_rank=self.max_rank,
+            )
+        if self.target_modules is not None:
+            leaves = {m.rsplit(".", 1)[-1] for m in adapter.modules}
+            outside = sorted(leaves - self.target_modules)
+            if outside:
+                raise IncompatibleAdapterError(
+                    f"adapter targets {outside}, which {self.engine} was not started for (serves "
+                    f"{sorted(self.target_modules)}); restart it with those modules in --lora-target-modules",
+                    engine=self.engine,
+                    url=self.url,
+                    modules=outside,
+                )
+
+
+class Engine:
+    """What every engine client subclasses: set ``kind`` and implement the four methods."""
+
+    kind: ClassVar[str] = ""
+    url: str = ""
+
+    # -- required ---------------------------------------------------------------------------
+
+    def capabilities(self) -> Capabilities:
+        """What this engine supports now (may ask the engine; cheap to call again)."""
+        raise NotImplementedError
+
+    def load_adapter(self, name: str, path: str | os.PathLike[str]) -> None:
+        """Load the PEFT adapter directory ``path`` under ``name`` and return once it serves.
+
+        Raises:
+            AdapterAlreadyLoadedError, AdapterNotFoundError, AdapterRejectedError,
+            EngineUnavailableError, ... (all ``EngineError``).
+        """
+        raise NotImplementedError
+
+    def unload_adapter(self, name: str) -> None:
+        """Stop serving ``name``. Raises ``AdapterNotFoundError`` if it is not loaded."""
+        raise NotImplementedError
+
+    def list_adapters(self) -> list[str]:
+        """Names of the adapters served now."""
+        raise NotImplementedError
+
+    # -- optional -----------------------------------------------------------------------------
+
+    def check_adapter(self, adapter: Adapter, caps: Capabilities) -> None:
+        """Refuse, before any bytes move, an adapter this engine cannot serve as LoRA.
+
+        The publisher calls it for every transport that serves the adapter as LoRA (disk, ipc,
+        in-place), never for the merged fallback. The default applies the generic checks of
+        ``caps.check``; engines with rules of their own (SGLang ignores rsLoRA, ...) override it
+        and call ``super().check_adapter`` first.
+
+        Raises:
+            LoraNotEnabledError, RankTooLargeError, IncompatibleAdapterError (``EngineError``).
+        """
+        caps.check(adapter)
+
+    def adapters_in_use(self) -> frozenset[str] | None:
+        """Served names that running or waiting requests use right now, as far as the engine can
+        tell; ``None`` when it cannot tell at all (then retirement relies on a grace period).
+
+        A name in the set must not be unloaded (nor its files deleted): the engine may still
+        need it, and vLLM reloads an evicted adapter from its path for a running request.
+
+        Raises:
+            EngineError: the engine could not be asked.
+        """
+        return None
+
+    def load_adapter_tensors(self, name: str, adapter: Adapter) -> None:
+        """Load ``adapter`` under ``name`` without files (shared memory / IPC)."""
+        raise CapabilityError(f"{self.kind or type(self).__name__} cannot load adapters from tensors", engine=self.kind)
+
+    def replace_adapter(self, name: str, path: str | os.PathLike[str]) -> None:
+        """Atomically make ``name`` serve the adapter at ``path`` (in-place publishing): every
+        request sees the old or the new weights, never a mix, and a failure keeps the old.
+        Only engines whose ``capabilities().load_inplace`` is True implement it."""
+        raise CapabilityError(f"{self.kind or type(self).__name__} cannot replace adapters in place", engine=self.kind)
+
+    def replace_adapter_tensors(self, name: str, adapter: Adapter) -> None:
+        """:meth:`replace_adapter` from tensors, without files."""
+        raise CapabilityError(f"{self.kind or type(self).__name__} cannot replace adapters in place", engine=self.kind)
+
+    def update_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> None:
+        """Replace base weights in place (the merged fallback). Names are HF parameter names."""
+        raise CapabilityError(f"{self.kind or type(self).__name__} cannot update weights", engine=self.kind)
+
+    def begin_weight_update(self) -> None:
+        """Called before a series of ``update_weights`` buckets: hold requests so none sees half
+        an update. Default: nothing."""
+
+    def end_weight_update(self) -> None:
+        """Called after the last bucket (also on failure). Default: nothing."""
+
+    def greedy(self, name: str | None, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
+        """Greedy-decode ``max_tokens`` tokens after ``prompt_ids`` with adapter ``name`` (None:
+        the base model). Returns the token ids and each chosen token's log-probability; used by
+        verification probes."""
+        raise CapabilityError(f"{self.kind or type(self).__name__} cannot generate", engine=self.kind)
+
+    def close(self) -> None:
+        """Release connections. Idempotent."""
+
+    # -- async twins (default: the sync method in a worker thread) ---------------------------
+
+    async def acapabilities(self) -> Capabilities:
+        return await asyncio.to_thread(self.capabilities)
+
+    async def aload_adapter(self, name: str, path: str | os.PathLike[str]) -> None:
+        await asyncio.to_thread(self.load_adapter, name, path)
+
+    async def aunload_adapter(self, name: str) -> None:
+        await asyncio.to_thread(self.unload_adapter, name)
+
+    async def alist_adapters(self) -> list[str]:
+        return await asyncio.to_thread(self.list_adapters)
+
+    async def aadapters_in_use(self) -> frozenset[str] | None:
+        return await asyncio.to_thread(self.adapters_in_use)
+
+    async def aload_adapter_tensors(self, name: str, adapter: Adapter) -> None:
+        await asyncio.to_thread(self.load_adapter_tensors, name, adapter)
+
+    async def areplace_adapter(self, name: str, path: str | os.PathLike[str]) -> None:
+        await asyncio.to_thread(self.replace_adapter, name, path)
+
+    async def areplace_adapter_tensors(self, name: str, adapter: Adapter) -> None:
+        await asyncio.to_thread(self.replace_adapter_tensors, name, adapter)
+
+    async def aupdate_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> None:
+        await asyncio.to_thread(self.update_weights, named_tensors)
+
+    async def abegin_weight_update(self) -> None:
+        await asyncio.to_thread(self.begin_weight_update)
+
+    async def aend_weight_update(self) -> None:
+        await asyncio.to_thread(self.end_weight_update)
+
+    async def agreedy(self, name: str | None, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
+        return await asyncio.to_thread(self.greedy, name, prompt_ids, max_tokens)
+
+    async def aclose(self) -> None:
+        self.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    async def __aenter__(self) -> Engine:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.aclose()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(url={self.url!r})"
