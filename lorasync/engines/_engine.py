@@ -60,24 +60,37 @@ class Capabilities:
     fused_modules: tuple[tuple[str, ...], ...] = ()  # leaf groups stored as one weight (merged updates send whole groups)
     notes: tuple[str, ...] = field(default=())
 
-    def check(self, adapter: Adapter) -> None:
+    def check(
+        self,
+        adapter: Adapter,
+        *,
+        enable_lora: str = "start it with LoRA enabled or publish with transport='merged'",
+        raise_rank: str = "restart the engine with a larger max rank (vLLM --max-lora-rank, SGLang "
+        "--max-lora-rank) or train r <= {max_rank}",
+    ) -> None:
         """Pre-flight: refuse, before any bytes move, an adapter this engine cannot serve.
+
+        Args:
+            adapter (`Adapter`): the adapter to serve.
+            enable_lora (`str`): what to do when the engine serves no LoRA (an engine that is
+                not a server started with flags words it its own way).
+            raise_rank (`str`): what to do when the rank is too large; ``{rank}`` and
+                ``{max_rank}`` are filled in.
 
         Raises:
             LoraNotEnabledError, RankTooLargeError, IncompatibleAdapterError.
         """
         if not self.lora:
             raise LoraNotEnabledError(
-                f"{self.engine} at {self.url or '?'} serves no LoRA adapters; start it with LoRA "
-                "enabled or publish with transport='merged'",
+                f"{self.engine} at {self.url or '?'} serves no LoRA adapters; {enable_lora}",
                 engine=self.engine,
                 url=self.url,
             )
         rank = max(adapter.pair(m)[0].shape[0] for m in adapter.modules)
         if self.max_rank is not None and rank > self.max_rank:
             raise RankTooLargeError(
-                f"adapter rank {rank} exceeds {self.engine}'s max LoRA rank {self.max_rank}; restart the "
-                f"engine with a larger max rank (vLLM --max-lora-rank, SGLang --max-lora-rank) or train r <= {self.max_rank}",
+                f"adapter rank {rank} exceeds {self.engine}'s max LoRA rank {self.max_rank}; "
+                + raise_rank.format(rank=rank, max_rank=self.max_rank),
                 engine=self.engine,
                 url=self.url,
                 rank=rank,

@@ -39,7 +39,6 @@ from lorasync.errors import (
     EngineError,
     EngineUnavailableError,
     LoraNotEnabledError,
-    RankTooLargeError,
 )
 
 if TYPE_CHECKING:
@@ -134,24 +133,12 @@ class VLLMInProcessEngine(StepDriver, Engine):
         Raises:
             LoraNotEnabledError, RankTooLargeError, IncompatibleAdapterError.
         """
-        if not caps.lora:
-            raise LoraNotEnabledError(
-                f"{self.kind} ({self.url}) runs without LoRA; build it with enable_lora=True and max_lora_rank >= "
-                "the adapter's rank, or publish with transport='merged'",
-                engine=self.kind,
-                url=self.url,
-            )
-        rank = max(adapter.pair(m)[0].shape[0] for m in adapter.modules)
-        if caps.max_rank is not None and rank > caps.max_rank:
-            raise RankTooLargeError(
-                f"adapter rank {rank} exceeds {self.kind}'s max_lora_rank {caps.max_rank}; build the LLM with "
-                f"max_lora_rank >= {rank} or train/trim the adapter to r <= {caps.max_rank}",
-                engine=self.kind,
-                url=self.url,
-                rank=rank,
-                max_rank=caps.max_rank,
-            )
-        super().check_adapter(adapter, caps)
+        caps.check(
+            adapter,
+            enable_lora="build it with enable_lora=True and max_lora_rank >= the adapter's rank, or publish "
+            "with transport='merged'",
+            raise_rank="build the LLM with max_lora_rank >= {rank} or train/trim the adapter to r <= {max_rank}",
+        )
 
     def load_adapter(self, name: str, path: str | os.PathLike[str]) -> None:
         """Load the PEFT adapter directory ``path`` under ``name``; returns once the workers built it.
