@@ -27,7 +27,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("_names", "_keys", "_config", "_retry", "_collectives", "_retention", "_loop"),
     ("_adapter", "_probe", "_report", "transforms"),
     ("exporters", "transports", "engines"),
-    ("distributed", "_publish", "_api", "_handle", "_files", "_select", "inspection"),
+    ("distributed", "_publish", "_api", "_handle", "_files", "_select", "_digest", "_aftercare", "inspection"),
     ("cli", "integrations", "testing", "__main__", "__init__"),
 ]
 
