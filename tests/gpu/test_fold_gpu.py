@@ -69,3 +69,23 @@ def test_gpu_fold_buckets_like_the_cpu_fold() -> None:
         for name in gb:
             diff = (gb[name].float().cpu() - cb[name].float()).abs()
             assert bool((diff <= cb[name].float().abs() * torch.finfo(torch.bfloat16).eps + 1e-4).all()), name
+
+
+@pytest.mark.parametrize("w0_device", ["cpu", "cuda"])
+def test_gpu_fold_leaves_w0_and_cublas_settings_as_they_were(w0_device: str) -> None:
+    """The fused fold writes in place only into W0's fresh copy on the GPU, never into W0, and
+    gives back cuBLAS's reduced-precision setting (here: the user's non-default one) as found."""
+    base, adapter = _setup(w0_device, torch.bfloat16, torch.bfloat16, seed=6)
+    pristine = {k: v.clone() for k, v in base.items()}
+    matmul = torch.backends.cuda.matmul
+    before = (matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction)
+    matmul.allow_fp16_reduced_precision_reduction = not before[1]
+    try:
+        _fold(adapter, base, "cuda")
+        _fold(adapter, base, None if w0_device == "cuda" else "cuda")
+        assert matmul.allow_bf16_reduced_precision_reduction == before[0]
+        assert matmul.allow_fp16_reduced_precision_reduction == (not before[1])
+    finally:
+        matmul.allow_fp16_reduced_precision_reduction = before[1]
+    for name, w in base.items():
+        assert torch.equal(w, pristine[name]), name
