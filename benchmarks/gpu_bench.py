@@ -358,32 +358,32 @@ def fold(results: dict, quick: bool) -> None:
     results["fold_gpu_w0_bf16_ms"] = t * 1e3
     results["fold_gpu_w0_bf16_GBps"] = 2 * w_bytes / t / 1e9  # W0 read once, W written once
     results["fold_gpu_w0_bf16_vs_hbm"] = results["fold_gpu_w0_bf16_GBps"] / results["hbm_copy_GBps"]
-    # Traffic of the fused fold, W0 on the GPU: addmm copies W0 into W (2 B read, 2 written),
-    # then the GEMM reads and writes W (2 + 2): 8 B per element against the floor of 4.
-    results["fold_gpu_w0_bf16_traffic_GBps"] = 4 * w_bytes / t / 1e9
+    # The fused fold kernel, W0 on the GPU: W0 read (2 B per element), W written (2 B).
+    results["fold_gpu_w0_bf16_traffic_GBps"] = 2 * w_bytes / t / 1e9
     pairs = [(base[f"{m}.weight"], *bf16.pair(m), bf16.config.scale_for(m)) for m in bf16.modules]
-    from lorasync.transports._fold import _one_rounding
+    from lorasync.transports import _fold_gpu
 
     def blocked() -> None:  # the fold before this version: fp32 product, then one add
         for w, a, b, s in pairs:
             torch.add(w, torch.mm(b.float(), a.float()), alpha=s, out=torch.empty_like(w))
 
-    def exact() -> None:
-        with _one_rounding():
-            for w, a, b, s in pairs:
-                torch.addmm(w, b, a, alpha=s)
+    def kernel(config):
+        return lambda: [_fold_gpu.fold_fused(w, a, b, s, w.device, config=config) for w, a, b, s in pairs]
 
-    # Interleaved: cuBLAS's addmm with PyTorch's default flags (the reference), the same with
-    # reduced-precision reductions off (what the fold runs), and the old two-kernel fold.
-    ref, fused_exact, old = [], [], []
+    # Interleaved: cuBLAS's addmm (the reference), the fold kernel in three tilings, the old
+    # two-kernel fold.
+    configs = {"64x128w4": (64, 128, 4), "128x128w8": (128, 128, 8), "64x256w8": (64, 256, 8)}
+    times: dict[str, list[float]] = {"addmm": [], "blocked": [], **{c: [] for c in configs}}
     for _ in range(3):
-        ref += events(lambda: [torch.addmm(w, b, a, alpha=s) for w, a, b, s in pairs], warmup=1, repeat=3)
-        fused_exact += events(exact, warmup=1, repeat=3)
-        old += events(blocked, warmup=1, repeat=3)
-    results["fold_gpu_fused_addmm_ms"] = med(ref) * 1e3
-    results["fold_gpu_fused_addmm_GBps"] = 2 * w_bytes / med(ref) / 1e9
-    results["fold_gpu_addmm_exact_kernels_ms"] = med(fused_exact) * 1e3
-    results["fold_gpu_blocked_kernels_ms"] = med(old) * 1e3
+        times["addmm"] += events(lambda: [torch.addmm(w, b, a, alpha=s) for w, a, b, s in pairs], warmup=1, repeat=3)
+        for name, config in configs.items():
+            times[name] += events(kernel(config), warmup=1, repeat=3)
+        times["blocked"] += events(blocked, warmup=1, repeat=3)
+    results["fold_gpu_fused_addmm_ms"] = med(times["addmm"]) * 1e3
+    results["fold_gpu_fused_addmm_GBps"] = 2 * w_bytes / med(times["addmm"]) / 1e9
+    for name in configs:
+        results[f"fold_gpu_kernel_{name}_ms"] = med(times[name]) * 1e3
+    results["fold_gpu_blocked_kernels_ms"] = med(times["blocked"]) * 1e3
     results["fold_vs_addmm"] = results["fold_gpu_w0_bf16_ms"] / results["fold_gpu_fused_addmm_ms"]
     # Rounding: elements of one module outside one bf16 rounding of a float64 reference, with
     # W0 and the delta of one size so that they cancel (as tests/gpu/test_fold_gpu.py draws them).
@@ -393,12 +393,11 @@ def fold(results: dict, quick: bool) -> None:
     b = torch.randn(4096, 16, device="cuda", generator=g).to(torch.bfloat16)
     ref64 = w.double() + 0.5 * (b.double() @ a.double())
     bound = ref64.abs() * torch.finfo(torch.bfloat16).eps + 1e-4
-    with _one_rounding():
-        got_exact = torch.addmm(w, b, a, alpha=0.5)
-    got_default = torch.addmm(w, b, a, alpha=0.5)
-    results["fold_rounding_violations_default_flags"] = int(((got_default.double() - ref64).abs() > bound).sum())
-    results["fold_rounding_violations_fold"] = int(((got_exact.double() - ref64).abs() > bound).sum())
-    del w, a, b, ref64, bound, got_exact, got_default
+    got_fold = _fold_gpu.fold_fused(w, a, b, 0.5, w.device)
+    got_addmm = torch.addmm(w, b, a, alpha=0.5)
+    results["fold_rounding_violations_addmm"] = int(((got_addmm.double() - ref64).abs() > bound).sum())
+    results["fold_rounding_violations_fold"] = int(((got_fold.double() - ref64).abs() > bound).sum())
+    del w, a, b, ref64, bound, got_fold, got_addmm
     t = med(wall(lambda: run(f32, base), warmup=1, repeat=3))
     results["fold_gpu_w0_f32factors_ms"] = t * 1e3
     del base, pairs, f32
@@ -446,9 +445,9 @@ def table(r: dict) -> str:
         ("CUDA IPC, vLLM worker staging", f"{r['ipc_worker_total_ms']:.2f} ms (consumer {r['ipc_worker_consumer_ms']:.2f}, p90 {r['ipc_worker_total_p90_ms']:.2f})"),
         (f"fold, W0 on GPU ({r['fold_weight_GB']:.1f} GB bf16)", f"{r['fold_gpu_w0_bf16_ms']:.1f} ms = {r['fold_gpu_w0_bf16_GBps']:.0f} GB/s of W0+W ({100 * r['fold_gpu_w0_bf16_vs_hbm']:.0f}% of copy bw), {r['fold_gpu_w0_bf16_traffic_GBps']:.0f} GB/s traffic"),
         ("  vs cuBLAS addmm, default flags (reference)", f"{r['fold_vs_addmm']:.2f}x of {r['fold_gpu_fused_addmm_ms']:.1f} ms = {r['fold_gpu_fused_addmm_GBps']:.0f} GB/s"),
-        ("  addmm, reduced precision off, no Python", f"{r['fold_gpu_addmm_exact_kernels_ms']:.1f} ms"),
+        ("  fold kernel, no Python: 64x128w4 / 128x128w8 / 64x256w8", " / ".join(f"{r[f'fold_gpu_kernel_{n}_ms']:.1f}" for n in ("64x128w4", "128x128w8", "64x256w8")) + " ms"),
         ("  old fold kernels (fp32 mm + add)", f"{r['fold_gpu_blocked_kernels_ms']:.1f} ms"),
-        ("  elements off one rounding: default / fold", f"{r['fold_rounding_violations_default_flags']} / {r['fold_rounding_violations_fold']} of 16.8 M"),
+        ("  elements off one rounding: addmm / fold", f"{r['fold_rounding_violations_addmm']} / {r['fold_rounding_violations_fold']} of 16.8 M"),
         ("  fp32 factors", f"{r['fold_gpu_w0_f32factors_ms']:.1f} ms"),
         ("fold, W0 pinned host -> GPU", f"{r['fold_host_pinned_w0_GBps']:.1f} GB/s of W0"),
         ("fold, W0 pageable host -> GPU", f"{r['fold_host_pageable_w0_GBps']:.1f} GB/s of W0"),

@@ -1,13 +1,8 @@
 """Fold LoRA deltas into pristine base weights, streamed in buckets of bounded size.
 
-On a GPU each module is one fused cuBLAS GEMM (``addmm``: ``W0 + s·B·A`` accumulated in float32
-and rounded once into W0's dtype) with cuBLAS's reduced-precision reductions switched off for the
-call: left on (PyTorch's default for 16-bit outputs), cuBLAS may round ``s·B·A`` to 16 bits
-before adding W0, which loses precision where W0 and the delta cancel. Written out by hand for
-speed: the fused GEMM reads W0 and writes W once (4 bytes per bf16 element; W0 brought from the
-host is folded in place, W0 already on the GPU is copied once by ``addmm``), where the float32
-product plus an elementwise add moved 12. Other cases (CPU, factors in another dtype than W0)
-take the blocked float32 path, bit for bit as before.
+On a GPU each module is one fused GEMM kernel (:mod:`lorasync.transports._fold_gpu`: ``B·A`` in
+float32, W0 added, rounded once, W0 read and W written once); the CPU, and a GPU without Triton,
+take the blocked float32 path below, bit for bit as before.
 
 Fan-out: :class:`SharedFold` runs one fold for every engine of a publish that needs the same
 buckets (same adapter, same modules to restore, same fused layout) and hands each bucket to all
@@ -17,7 +12,6 @@ the slowest engine lags behind the fastest.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -26,6 +20,7 @@ import torch
 
 from lorasync._adapter import Adapter
 from lorasync.transports._base_weights import BaseWeights
+from lorasync.transports._fold_gpu import fold_fused
 
 __all__ = ["SharedFold", "fold_buckets", "fold_module"]
 
@@ -36,7 +31,7 @@ def fold_module(
     """``W0 + scale·B·A`` for ``module`` in W0's dtype, computed in float32 and rounded once, on
     ``device`` (default: where W0 is); the result stays there.
 
-    On a GPU, with factors in W0's dtype: one fused ``addmm`` (module docstring). Otherwise W0
+    On a GPU: one fused kernel (module docstring). Otherwise W0
     travels to ``device`` alone and in its own dtype; the rank-r product is formed in float32 in
     row blocks of at most ``block_bytes`` and added to W0 by one elementwise pass that writes the
     result in W0's dtype, so the extra memory is one float32 block, never a float32 copy of the
@@ -46,8 +41,10 @@ def fold_module(
     a, b = adapter.pair(module)
     dev = torch.device(device) if device is not None else w0.device
     scale = adapter.config.scale_for(module)
-    if dev.type == "cuda" and a.dtype == b.dtype == w0.dtype and w0.dtype in _FUSED_DTYPES and w0.dim() == 2:
-        return _fold_fused(w0, a, b, scale, dev)
+    if dev.type == "cuda":
+        fused = fold_fused(w0, a, b, scale, dev)
+        if fused is not None:
+            return fused
     w0 = w0.to(device=dev, non_blocking=True)
     a32 = a.to(device=dev, dtype=torch.float32)
     b32 = b.to(device=dev, dtype=torch.float32)
@@ -59,63 +56,6 @@ def fold_module(
         # Float32 arithmetic (type promotion), written straight into W0's dtype.
         torch.add(w0[start:stop], delta, alpha=scale, out=out[start:stop])
     return out
-
-
-_FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_exact_lock = threading.Lock()
-_exact_depth = 0
-_exact_saved: tuple[object, object] | None = None
-
-
-def _fold_fused(w0: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float, dev: torch.device) -> torch.Tensor:
-    """``W0 + scale·B·A`` as one cuBLAS ``addmm`` on ``dev`` (float32 accumulation, one rounding).
-
-    W0 that had to travel to ``dev`` is a fresh tensor: the product is added into it in place
-    (W0 read and W written once). W0 already there is never written: ``addmm`` makes the result.
-    """
-    with torch.no_grad(), _one_rounding():
-        moved = w0.to(device=dev, non_blocking=True)
-        a = a.to(device=dev, non_blocking=True)
-        b = b.to(device=dev, non_blocking=True)
-        if moved is not w0 and moved.is_contiguous():
-            return moved.addmm_(b, a, alpha=scale)
-        return torch.addmm(moved, b, a, alpha=scale)
-
-
-def _reduction_flag(kind: str) -> object:
-    return getattr(torch._C, f"_get_cublas_allow_{kind}_reduced_precision_reduction")()
-
-
-def _set_reduction_flag(kind: str, value: object) -> None:
-    setter = getattr(torch._C, f"_set_cublas_allow_{kind}_reduced_precision_reduction")
-    setter(*value) if isinstance(value, tuple) else setter(value)
-
-
-def _exact(value: object) -> object:
-    """The flag value that forbids reduced-precision reductions, keeping any split-K setting."""
-    return (False, *value[1:]) if isinstance(value, tuple) else False
-
-
-@contextlib.contextmanager
-def _one_rounding() -> Iterator[None]:
-    """cuBLAS reductions for 16-bit outputs in float32 while folding (process-wide flags: the
-    first fold in switches them, the last one out restores what it found)."""
-    global _exact_depth, _exact_saved
-    with _exact_lock:
-        if _exact_depth == 0:
-            _exact_saved = (_reduction_flag("bf16"), _reduction_flag("fp16"))
-            _set_reduction_flag("bf16", _exact(_exact_saved[0]))
-            _set_reduction_flag("fp16", _exact(_exact_saved[1]))
-        _exact_depth += 1
-    try:
-        yield
-    finally:
-        with _exact_lock:
-            _exact_depth -= 1
-            if _exact_depth == 0 and _exact_saved is not None:
-                _set_reduction_flag("bf16", _exact_saved[0])
-                _set_reduction_flag("fp16", _exact_saved[1])
-                _exact_saved = None
 
 
 def _units(modules: Iterable[str], fused: Sequence[Sequence[str]]) -> list[list[str]]:

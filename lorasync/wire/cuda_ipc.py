@@ -136,10 +136,11 @@ def export_tensors(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, s
         WireFormatError: a tensor is not on CUDA, or they span several devices.
         UnsupportedDtypeError: a dtype safetensors cannot hold.
     """
-    devices = {t.device for t in tensors.values()}
-    if len(devices) != 1 or next(iter(devices)).type != "cuda":
+    indices = set(map(torch.Tensor.get_device, tensors.values()))  # ints (-1: host): no device objects
+    if len(indices) != 1 or min(indices) < 0:
+        devices = {t.device for t in tensors.values()}
         raise WireFormatError(f"CUDA IPC needs every tensor on one CUDA device; got {sorted(map(str, devices))}")
-    device = next(iter(devices))
+    device = torch.device("cuda", next(iter(indices)))
     layout = plan(tensors, metadata)  # cached per structure: every step sends the same one
     header, nbytes = layout.header, layout.nbytes
     # One buffer laid out like the safetensors data section, each group of tensors gathered into
