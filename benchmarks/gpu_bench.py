@@ -171,20 +171,6 @@ def export(results: dict, quick: bool) -> None:
     results["serialize_per_tensor_async_ms"] = med(wall(lambda: serialize(tensors, chunk_bytes=0), repeat=repeat)) * 1e3
     results["serialize_ms"] = med(wall(lambda: serialize(tensors), repeat=repeat)) * 1e3
     results["serialize_8MiB_ms"] = med(wall(lambda: serialize(tensors, chunk_bytes=8 << 20), repeat=repeat)) * 1e3
-    # A/B of the gathers ahead on a side stream (interleaved rounds): first piece 8/16/32 MiB,
-    # and off (every piece gathered and copied on the caller's stream, as before).
-    from lorasync.wire import d2h
-
-    variants = {"ahead_8MiB": (True, 8 << 20), "ahead_16MiB": (True, 16 << 20), "ahead_32MiB": (True, 32 << 20), "one_stream": (False, 16 << 20)}
-    kept = (d2h._GATHER_AHEAD, d2h._AHEAD_FIRST_PIECE)
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(5):
-        for name, (ahead, first) in variants.items():
-            d2h._GATHER_AHEAD, d2h._AHEAD_FIRST_PIECE = ahead, first
-            times[name] += wall(lambda: serialize(tensors), warmup=2, repeat=max(2, repeat // 5))
-    d2h._GATHER_AHEAD, d2h._AHEAD_FIRST_PIECE = kept
-    for name, xs in times.items():
-        results[f"serialize_{name}_ms"] = med(xs) * 1e3
     results["to_host_ms"] = med(wall(lambda: adapter.to_host(), repeat=repeat)) * 1e3
     # The same two measurements again: their spread is the noise floor of this table.
     results["serialize_ms_again"] = med(wall(lambda: serialize(tensors), repeat=repeat)) * 1e3
@@ -432,9 +418,8 @@ def table(r: dict) -> str:
         ("  per-tensor .cpu()", f"{r['per_tensor_cpu_ms']:.2f} ms"),
         ("  host time to queue every transfer", f"{r['serialize_launch_ms']:.2f} ms"),
         ("  serialize, per-tensor async copies", f"{r['serialize_per_tensor_async_ms']:.2f} ms"),
-        ("  serialize (16 MiB first, the rest gathered ahead)", f"{r['serialize_ms']:.2f} ms = {100 * r['serialize_vs_flat_copy']:.0f}% of flat copy"),
+        ("  serialize (pieces of 8 MiB growing to 32 MiB)", f"{r['serialize_ms']:.2f} ms = {100 * r['serialize_vs_flat_copy']:.0f}% of flat copy"),
         ("  serialize, pieces up to 8 MiB", f"{r['serialize_8MiB_ms']:.2f} ms"),
-        ("  A/B: ahead 8 / 16 / 32 MiB first, one stream", " / ".join(f"{r[f'serialize_{n}_ms']:.2f}" for n in ("ahead_8MiB", "ahead_16MiB", "ahead_32MiB", "one_stream")) + " ms"),
         ("  to_host -> Adapter", f"{r['to_host_ms']:.2f} ms = {100 * r['to_host_vs_flat_copy']:.0f}% of flat copy"),
         ("  serialize / to_host, measured again", f"{r['serialize_ms_again']:.2f} / {r['to_host_ms_again']:.2f} ms"),
         ("  serialize + shared memory", f"{r['serialize_to_shm_ms']:.2f} ms"),

@@ -8,15 +8,9 @@ tensors that is ~50x slower than one copy of the same bytes. :func:`serialize` i
 2. gathers each group (tensors of one dtype agreeing after dim 0: an adapter has three) on the
    device with one ``cat`` and cuts it back into views with one ``split``, never one
    Python-level call per tensor;
-3. after the work queued on the caller's current stream, gathers the first piece (16 MiB) and
-   copies it to its slice of the host buffer on that stream; every other piece is gathered
-   meanwhile on a side stream into one device buffer, which follows in one transfer. Written out
-   by hand for speed: on one stream each gather waited for the transfer before it (the copy
-   engine idled for every gather kernel), so the link ran at 84 % of one flat copy; now the
-   first transfer starts after one small gather and the second follows it with no gap. The
-   price is GPU memory for the gathered data (the adapter's size, freed stream-ordered once it
-   is copied). Tensors on several devices or mixed with host tensors take pieces growing from
-   8 MiB to 32 MiB, each gathered and copied on the caller's stream;
+3. on the caller's current stream (so after the work queued there), gathers each group in
+   pieces (growing from 8 MiB to 32 MiB) and copies each piece to its slice of the host buffer
+   asynchronously;
 4. writes the header and cuts the host views while the transfers run, then waits once per device.
 
 The result is already a valid safetensors file (the format allows data in any order): writing it
@@ -30,7 +24,6 @@ it also runs inside engine processes.
 
 from __future__ import annotations
 
-import itertools
 import operator
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -38,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lorasync.wire.layout import Layout, Piece, plan, probe
+from lorasync.wire.layout import Layout, plan, probe
 from lorasync.wire.shm import ShmSegment, create_segment, shared, write_segment
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "HostBuffer", "gather_into", "serialize", "start_export", "to_shm_segment"]
@@ -49,11 +42,6 @@ DEFAULT_CHUNK_BYTES = 32 * 1024 * 1024
 #: The first piece copied to the host: its transfer (~0.15 ms at ~55 GB/s) must outlast queuing
 #: the next piece on the host (~0.1 ms measured on the H200's host); later pieces grow.
 _FIRST_PIECE = 8 * 1024 * 1024
-#: The first piece when the rest is gathered ahead on a side stream: its transfer (~0.3 ms) must
-#: outlast queuing every other gather and the second transfer on the host.
-_AHEAD_FIRST_PIECE = 16 * 1024 * 1024
-_GATHER_AHEAD = True  # False: every piece on the caller's stream (the benchmark's A/B)
-_side_streams: dict[int, torch.cuda.Stream] = {}  # device index -> stream for gathers ahead
 _recent: dict[object, Layout] = {}  # metadata -> layout of the latest export (see start_export)
 _IS_CUDA = operator.attrgetter("is_cuda")
 
@@ -186,10 +174,6 @@ def gather_into(section: torch.Tensor, layout: Layout, values: Sequence[torch.Te
     """
     indices = set(map(torch.Tensor.get_device, values))  # ints (-1: host): no device objects
     mixed, to_host = len(indices) > 1, section.device.type == "cpu"
-    if _GATHER_AHEAD and to_host and not mixed and chunk_bytes > 0 and min(indices, default=-1) >= 0:
-        pieces = layout.pieces(chunk_bytes, _AHEAD_FIRST_PIECE)
-        if len(pieces) > 1 and all(p.begin + p.nbytes == q.begin for p, q in itertools.pairwise(pieces)):
-            return [_gather_ahead(section, pieces, values, next(iter(indices)))]
     with torch.no_grad():
         for piece in layout.pieces(chunk_bytes, _FIRST_PIECE if to_host else None):
             dst = section[piece.begin : piece.begin + piece.nbytes].view(piece.dtype).view(piece.shape)
@@ -220,44 +204,6 @@ def to_shm_segment(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, s
 
 
 # -- internals -----------------------------------------------------------------------------------
-
-
-def _gather_ahead(section: torch.Tensor, pieces: Sequence[Piece], values: Sequence[torch.Tensor], index: int) -> torch.cuda.Event:
-    """Queue ``pieces`` (contiguous, of CUDA tensors on device ``index``) into the pinned host
-    ``section``: the first gathered and copied on the current stream, the others gathered on a
-    side stream meanwhile and copied in one transfer after it. Returns the event of the end."""
-    main = torch.cuda.current_stream(index)
-    side = _side_streams.get(index)
-    if side is None:
-        side = _side_streams[index] = torch.cuda.Stream(device=index)
-    ready = torch.cuda.Event()
-    ready.record(main)  # the caller's work: the side stream's gathers follow it
-    first, rest = pieces[0], pieces[1:]
-    begin, end = rest[0].begin, rest[-1].begin + rest[-1].nbytes
-    with torch.no_grad():
-        _copy(_slot(section, first, 0), list(map(values.__getitem__, first.members)), first.scalar)
-        # Allocated on the main stream, which reads it last (the transfer below); the side
-        # stream's writes come before that transfer, so stream-ordered reuse after it is safe.
-        stage = torch.empty(end - begin, dtype=torch.uint8, device=values[first.members[0]].device)
-        with torch.cuda.stream(side):
-            side.wait_event(ready)
-            for piece in rest:
-                _copy(_slot(stage, piece, begin), list(map(values.__getitem__, piece.members)), piece.scalar)
-            gathered = torch.cuda.Event()
-            gathered.record(side)
-        main.wait_event(gathered)
-        section[begin:end].copy_(stage, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record(main)
-    return done
-
-
-def _slot(buffer: torch.Tensor, piece: Piece, offset: int) -> torch.Tensor:
-    """``piece``'s bytes in the ``uint8`` ``buffer`` that starts at data-section byte ``offset``,
-    viewed as the piece's dtype and shape."""
-    start = piece.begin - offset
-    return buffer[start : start + piece.nbytes].view(piece.dtype).view(piece.shape)
-
 
 
 def _copy(dst: torch.Tensor, parts: list[torch.Tensor], scalar: bool) -> None:

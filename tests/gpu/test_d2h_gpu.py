@@ -109,11 +109,11 @@ def test_a_changed_structure_is_never_exported_with_the_last_layout() -> None:
 
 
 @pytest.mark.parametrize("chunk_bytes", [4096, 1 << 20, 32 << 20])
-def test_gathers_ahead_on_the_side_stream_are_exact_and_ordered(chunk_bytes: int) -> None:
-    """Tensors of one GPU in several pieces: the first is copied on the caller's stream, the
-    others gathered on a side stream. The side stream must wait for the caller's work queued just
-    before (a slow fill), and nothing the caller queues after the call may overwrite what it has
-    not copied yet (the inputs freed and their memory refilled before the wait)."""
+def test_pieces_are_exact_and_ordered_against_the_callers_stream(chunk_bytes: int) -> None:
+    """Tensors of one GPU in several pieces and groups: every gather must follow the caller's
+    work queued just before (a slow fill), and nothing the caller queues after the call may
+    overwrite what has not been copied yet (the inputs freed and their memory refilled before the
+    wait). It caught a side-stream variant whose buffer reused a gather's freed memory."""
     from lorasync.wire.d2h import start_export
 
     g = torch.Generator(device="cuda").manual_seed(6)
