@@ -12,6 +12,10 @@ load — no lorasync Publisher). Every first completion is checked against the t
 token, so "served by the new weights" is verified, not assumed. Client overhead: the same requests
 through a bare ``httpx.Client`` and through ``VLLMEngine``, interleaved; goal ≤ 10 ms per endpoint.
 
+Beside the HTTP modes, in the same table, JSON and plot: the in-process engine
+(:mod:`benchmarks.vllm_inprocess`, a ``vllm.LLM`` in the engine venv; off with
+``LORASYNC_BENCH_INPROCESS=0``).
+
 Skipped, with a message, when no vLLM engine venv is available. Run: ``lorasync bench vllm``.
 """
 
