@@ -7,7 +7,7 @@ subprocess (:mod:`benchmarks._vllm_inprocess_peer`, which documents the three wa
 :class:`InProcessCase` starts it early — its LLM start-up overlaps the HTTP server's — and lets
 it run its rounds only once the HTTP server is gone, so no measurement shares the box with
 another vLLM doing work. Its samples have the HTTP modes' shape and join them in the same table,
-JSON and plot. Off with ``LORASYNC_BENCH_INPROCESS=0`` (or ``Options(inprocess=False)``).
+JSON and plot. Off with ``lorasync bench vllm --no-inprocess`` (``Options(inprocess=False)``, or ``LORASYNC_BENCH_INPROCESS=0``).
 """
 
 from __future__ import annotations
