@@ -35,6 +35,7 @@ class Options:
     layers: int | None = None  # layers to synthesise where a full model would not fit
     root: Path | None = None  # tmpfs directory for disk transports (default: /dev/shm)
     progress: bool = True
+    inprocess: bool = True  # vllm: the in-process engine's rows (also off with LORASYNC_BENCH_INPROCESS=0)
     plot: bool = True
 
     def reps(self, full: int, quick: int) -> int:

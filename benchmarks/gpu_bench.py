@@ -200,12 +200,14 @@ def export(results: dict, quick: bool) -> None:
     flat = results["d2h_pinned_87MB_ms_wall"]
     results["serialize_vs_flat_copy"] = flat / results["serialize_ms"]
     results["to_host_vs_flat_copy"] = flat / results["to_host_ms"]
+    results["serialize_again_vs_flat_copy"] = flat / results["serialize_ms_again"]
+    results["to_host_again_vs_flat_copy"] = flat / results["to_host_ms_again"]
 
 
 def consumer_main() -> None:
     """Second process: map, copy, confirm; one JSON line in, one out."""
     from lorasync.engines.vllm_worker import LoraSyncWorkerExtension
-    from lorasync.wire.cuda_ipc import import_tensors
+    from lorasync.wire.cuda_ipc import close_mappings, import_tensors
 
     class _Manager:
         def _load_adapter(self, request: object) -> object:
@@ -225,10 +227,12 @@ def consumer_main() -> None:
         steps: dict[str, float] = {}
         if msg["mode"] == "steps":
             n = len(import_steps(json.loads(msg["spec"]), steps))
-        elif msg["mode"] == "import":
+        elif msg["mode"] in ("import", "import_unmapped"):
             tensors, _ = import_tensors(json.loads(msg["spec"]))
             n = len(tensors)
             del tensors
+            if msg["mode"] == "import_unmapped":  # as before the mapping cache: unmapped every step
+                close_mappings()
         else:
             answer = LoraSyncWorkerExtension.lorasync_stage_adapter_cuda(worker, msg["spec"])  # type: ignore[arg-type]
             n = answer.get("tensors", 0)
@@ -246,9 +250,7 @@ def consumer_main() -> None:
 
 def import_steps(spec: dict, steps: dict[str, float]) -> dict[str, torch.Tensor]:
     """``import_tensors`` step by step (same calls), timing each step into ``steps``."""
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
-    from lorasync.wire.cuda_ipc import _local_index, parse_spec
+    from lorasync.wire.cuda_ipc import _local_index, _map, parse_spec
     from lorasync.wire.views import apply_views
 
     t = time.perf_counter()
@@ -264,21 +266,20 @@ def import_steps(spec: dict, steps: dict[str, float]) -> dict[str, torch.Tensor]
     step("parse")
     own = torch.empty(f["nbytes"], dtype=torch.uint8, device=local)
     step("alloc")
-    shared = rebuild_cuda_tensor(torch.Tensor, torch.Size([f["nbytes"]]), (1,), 0, torch.UntypedStorage, torch.uint8, local, f["handle"], f["storage_size"], f["storage_offset"], False, b"", 0, f["event"], f["event_sync"])
-    step("rebuild")
-    own.copy_(shared)
-    torch.cuda.current_stream(local).synchronize()
-    step("copy")
-    del shared
-    step("unmap")
+    shared = _map(local, f)
+    step("map+event")
+    own.copy_(shared, non_blocking=True)
+    step("queue_copy")
     out = apply_views(own, f["plan"])
     step("views")
+    torch.cuda.current_stream(local).synchronize()
+    step("wait")
     return out
 
 
 def handoff(results: dict, quick: bool) -> None:
     from lorasync.engines.vllm import CONFIG_KEY
-    from lorasync.wire.cuda_ipc import export_tensors
+    from lorasync.wire.cuda_ipc import share_tensors
 
     adapter = make_adapter(seed=2)
     config = json.dumps(adapter.config.to_peft().to_dict(), default=sorted)
@@ -288,12 +289,12 @@ def handoff(results: dict, quick: bool) -> None:
     proc = subprocess.Popen([sys.executable, __file__, "--consumer"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     assert proc.stdin is not None and proc.stdout is not None
     try:
-        for mode in ("steps", "import", "worker"):
+        for mode in ("steps", "import", "import_unmapped", "worker"):
             rows = []
             for i in range(5 + (10 if quick else 30)):
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                exp = export_tensors(adapter.tensors, {CONFIG_KEY: config})
+                exp = share_tensors(adapter.tensors, {CONFIG_KEY: config})
                 spec = json.dumps({"token": f"t{i}", **exp.spec})
                 t1 = time.perf_counter()
                 proc.stdin.write(json.dumps({"mode": mode, "spec": spec}) + "\n")
@@ -313,7 +314,7 @@ def handoff(results: dict, quick: bool) -> None:
             for name in rows[0][4]:
                 results[f"ipc_{mode}_step_{name}_ms"] = med([r[4][name] for r in rows]) * 1e3
             results[f"ipc_{mode}_total_max_ms"] = max(r[0] for r in rows) * 1e3
-        profile_to(PROFILE_DIR and PROFILE_DIR / "profile_export.txt", lambda: export_tensors(adapter.tensors, {CONFIG_KEY: config}).release())
+        profile_to(PROFILE_DIR and PROFILE_DIR / "profile_export.txt", lambda: share_tensors(adapter.tensors, {CONFIG_KEY: config}).release())
     finally:
         proc.stdin.close()
         proc.wait(timeout=60)
@@ -343,20 +344,46 @@ def fold(results: dict, quick: bool) -> None:
     results["fold_gpu_w0_bf16_ms"] = t * 1e3
     results["fold_gpu_w0_bf16_GBps"] = 2 * w_bytes / t / 1e9  # W0 read once, W written once
     results["fold_gpu_w0_bf16_vs_hbm"] = results["fold_gpu_w0_bf16_GBps"] / results["hbm_copy_GBps"]
-    # Traffic of lorasync's two kernels: fp32 delta written (4 B/elem), then W0 (2) + delta (4)
-    # read and W (2) written: 12 B per element against the floor of 4.
-    results["fold_gpu_w0_bf16_traffic_GBps"] = 6 * w_bytes / t / 1e9
+    # The fused fold kernel, W0 on the GPU: W0 read (2 B per element), W written (2 B).
+    results["fold_gpu_w0_bf16_traffic_GBps"] = 2 * w_bytes / t / 1e9
     pairs = [(base[f"{m}.weight"], *bf16.pair(m), bf16.config.scale_for(m)) for m in bf16.modules]
+    from lorasync.transports import _fold_gpu
 
-    def kernels() -> None:
+    def blocked() -> None:  # the fold before this version: fp32 product, then one add
         for w, a, b, s in pairs:
             torch.add(w, torch.mm(b.float(), a.float()), alpha=s, out=torch.empty_like(w))
 
-    results["fold_gpu_w0_bf16_kernels_ms"] = med(events(kernels, warmup=1, repeat=5)) * 1e3
-    # cuBLAS's fused 16-bit addmm (the floor's 4 B/elem), not used: it rounds s*B*A before adding.
-    fused = med(events(lambda: [torch.addmm(w, b, a, alpha=s) for w, a, b, s in pairs], warmup=1, repeat=5))
-    results["fold_gpu_fused_addmm_ms"] = fused * 1e3
-    results["fold_gpu_fused_addmm_GBps"] = 2 * w_bytes / fused / 1e9
+    def kernel(config):
+        return lambda: [_fold_gpu.fold_fused(w, a, b, s, w.device, config=config) for w, a, b, s in pairs]
+
+    # Interleaved: cuBLAS's addmm (the reference), the fold kernel in three tilings, the old
+    # two-kernel fold.
+    configs = {"64x128w4": (64, 128, 4), "128x128w8": (128, 128, 8), "64x256w8": (64, 256, 8)}
+    times: dict[str, list[float]] = {"addmm": [], "blocked": [], **{c: [] for c in configs}}
+    for _ in range(3):
+        times["addmm"] += events(lambda: [torch.addmm(w, b, a, alpha=s) for w, a, b, s in pairs], warmup=1, repeat=3)
+        for name, config in configs.items():
+            times[name] += events(kernel(config), warmup=1, repeat=3)
+        times["blocked"] += events(blocked, warmup=1, repeat=3)
+    results["fold_gpu_fused_addmm_ms"] = med(times["addmm"]) * 1e3
+    results["fold_gpu_fused_addmm_GBps"] = 2 * w_bytes / med(times["addmm"]) / 1e9
+    for name in configs:
+        results[f"fold_gpu_kernel_{name}_ms"] = med(times[name]) * 1e3
+    results["fold_gpu_blocked_kernels_ms"] = med(times["blocked"]) * 1e3
+    results["fold_vs_addmm"] = results["fold_gpu_w0_bf16_ms"] / results["fold_gpu_fused_addmm_ms"]
+    # Rounding: elements of one module outside one bf16 rounding of a float64 reference, with
+    # W0 and the delta of one size so that they cancel (as tests/gpu/test_fold_gpu.py draws them).
+    g = torch.Generator(device="cuda").manual_seed(7)
+    w = torch.randn(4096, 4096, device="cuda", generator=g).to(torch.bfloat16)
+    a = torch.randn(16, 4096, device="cuda", generator=g).to(torch.bfloat16)
+    b = torch.randn(4096, 16, device="cuda", generator=g).to(torch.bfloat16)
+    ref64 = w.double() + 0.5 * (b.double() @ a.double())
+    bound = ref64.abs() * torch.finfo(torch.bfloat16).eps + 1e-4
+    got_fold = _fold_gpu.fold_fused(w, a, b, 0.5, w.device)
+    got_addmm = torch.addmm(w, b, a, alpha=0.5)
+    results["fold_rounding_violations_addmm"] = int(((got_addmm.double() - ref64).abs() > bound).sum())
+    results["fold_rounding_violations_fold"] = int(((got_fold.double() - ref64).abs() > bound).sum())
+    del w, a, b, ref64, bound, got_fold, got_addmm
     t = med(wall(lambda: run(f32, base), warmup=1, repeat=3))
     results["fold_gpu_w0_f32factors_ms"] = t * 1e3
     del base, pairs, f32
@@ -399,10 +426,13 @@ def table(r: dict) -> str:
         ("  first call (pinned allocation)", f"{r['serialize_first_call_ms']:.1f} ms"),
         ("CUDA IPC, GPU copy in 2nd process", f"{r['ipc_import_total_ms']:.2f} ms (export {r['ipc_import_export_ms']:.2f}, consumer {r['ipc_import_consumer_ms']:.2f}, p90 {r['ipc_import_total_p90_ms']:.2f}, max {r['ipc_import_total_max_ms']:.2f})"),
         ("  consumer steps", " ".join(f"{k.split('_step_')[1][:-3]} {v:.2f}" for k, v in r.items() if "_step_" in k)),
+        ("CUDA IPC, unmapped every step (as before)", f"{r['ipc_import_unmapped_total_ms']:.2f} ms (consumer {r['ipc_import_unmapped_consumer_ms']:.2f})"),
         ("CUDA IPC, vLLM worker staging", f"{r['ipc_worker_total_ms']:.2f} ms (consumer {r['ipc_worker_consumer_ms']:.2f}, p90 {r['ipc_worker_total_p90_ms']:.2f})"),
         (f"fold, W0 on GPU ({r['fold_weight_GB']:.1f} GB bf16)", f"{r['fold_gpu_w0_bf16_ms']:.1f} ms = {r['fold_gpu_w0_bf16_GBps']:.0f} GB/s of W0+W ({100 * r['fold_gpu_w0_bf16_vs_hbm']:.0f}% of copy bw), {r['fold_gpu_w0_bf16_traffic_GBps']:.0f} GB/s traffic"),
-        ("  same kernels, no Python", f"{r['fold_gpu_w0_bf16_kernels_ms']:.1f} ms"),
-        ("  cuBLAS fused addmm (not used)", f"{r['fold_gpu_fused_addmm_ms']:.1f} ms = {r['fold_gpu_fused_addmm_GBps']:.0f} GB/s"),
+        ("  vs cuBLAS addmm, default flags (reference)", f"{r['fold_vs_addmm']:.2f}x of {r['fold_gpu_fused_addmm_ms']:.1f} ms = {r['fold_gpu_fused_addmm_GBps']:.0f} GB/s"),
+        ("  fold kernel, no Python: 64x128w4 / 128x128w8 / 64x256w8", " / ".join(f"{r[f'fold_gpu_kernel_{n}_ms']:.1f}" for n in ("64x128w4", "128x128w8", "64x256w8")) + " ms"),
+        ("  old fold kernels (fp32 mm + add)", f"{r['fold_gpu_blocked_kernels_ms']:.1f} ms"),
+        ("  elements off one rounding: addmm / fold", f"{r['fold_rounding_violations_addmm']} / {r['fold_rounding_violations_fold']} of 16.8 M"),
         ("  fp32 factors", f"{r['fold_gpu_w0_f32factors_ms']:.1f} ms"),
         ("fold, W0 pinned host -> GPU", f"{r['fold_host_pinned_w0_GBps']:.1f} GB/s of W0"),
         ("fold, W0 pageable host -> GPU", f"{r['fold_host_pageable_w0_GBps']:.1f} GB/s of W0"),

@@ -12,6 +12,10 @@ load — no lorasync Publisher). Every first completion is checked against the t
 token, so "served by the new weights" is verified, not assumed. Client overhead: the same requests
 through a bare ``httpx.Client`` and through ``VLLMEngine``, interleaved; goal ≤ 10 ms per endpoint.
 
+Beside the HTTP modes, in the same table, JSON and plot: the in-process engine
+(:mod:`benchmarks.vllm_inprocess`, a ``vllm.LLM`` in the engine venv; off with
+``LORASYNC_BENCH_INPROCESS=0``).
+
 Skipped, with a message, when no vLLM engine venv is available. Run: ``lorasync bench vllm``.
 """
 
@@ -27,6 +31,7 @@ from typing import Any
 import torch
 
 from benchmarks._harness import Case, Goal, Options, Report, Table, fmt_bytes, fmt_ms, progress, timeit_many
+from benchmarks.vllm_inprocess import InProcessCase, enabled
 from benchmarks.vllm_peer import plot as plot_peer
 from benchmarks.vllm_peer import run_peer
 
@@ -55,9 +60,7 @@ def run(opts: Options) -> Report:
 
 
 def _run(opts: Options, tmp: Path, python: Path, repeats: int, warmup: int, title: str) -> Report:
-    from lorasync.engines import connect
     from lorasync.testing import make_tiny_model
-    from lorasync.testing.vllm_server import VLLMServer
 
     show = opts.progress
     base_dir = tmp / "base"
@@ -66,38 +69,43 @@ def _run(opts: Options, tmp: Path, python: Path, repeats: int, warmup: int, titl
     prompt, refs = _pick_prompt(trainers)
     adapters = [t["adapter"] for t in trainers]
     report = Report(NAME, title)
-    t0 = time.perf_counter()
-    with VLLMServer(
-        base_dir,
-        python=python,
-        served_model_name=SERVED_BASE,
-        log_path=tmp / "vllm.log",
-        extra_args=("--worker-extension-cls", "lorasync.engines.vllm_worker.LoraSyncWorkerExtension"),
-    ) as server:
-        startup = time.perf_counter() - t0
-        engine = connect("vllm", server.url, timeout=120)
-        engine.generate(prompt, model=SERVED_BASE, max_tokens=1)  # first request compiles
-        rows = []
-        modes = ("disk", "ipc", "merged", "unload-then-load")
-        data = _measure_modes(modes, engine, adapters, refs, prompt, tmp, base_dir, repeats, warmup, show)
-        for mode in modes:
-            samples = data[mode]
-            total, pub, first = (statistics.median(samples[k]) for k in ("total", "publish", "first"))
-            ok = sum(samples["served_new"])
-            rows.append([mode, fmt_ms(pub), fmt_ms(first), f"**{fmt_ms(total)}**", f"{ok}/{len(samples['served_new'])}"])
-        stage_names = sorted({k for m in ("disk", "ipc", "merged") for st in data[m]["stages"] for k in st})
-        report.tables.append(Table(
-            "Inside the publish call (PublishReport timings, median ms; preflight includes the capacity check and pre-retirement)",
-            ["mode", *stage_names],
-            [[m, *[fmt_ms(statistics.median([st.get(k, 0.0) for st in data[m]["stages"]])) for k in stage_names]] for m in ("disk", "ipc", "merged")],
-        ))
-        report.tables.insert(0, Table(
-            f"Publish call → first completion served by the new weights (vLLM 0.32 CPU, tiny Llama, r8 adapter {fmt_bytes(adapters[0].nbytes)}; median of {repeats} interleaved rounds after {warmup} warm-up; ms)",
-            ["mode", "publish call", "first completion", "total", "first token = trainer's"],
-            rows,
-        ))
-        overhead = _client_overhead(engine, server.url, adapters[0], tmp / "overhead", prompt, repeats, warmup, show)
-        engine.close()
+    inproc = InProcessCase(tmp / "inprocess", python, base_dir, trainers, prompt, refs, repeats, warmup) if enabled(opts) else None
+    try:
+        if inproc is not None:
+            inproc.start()  # its LLM starts while the HTTP server does; its rounds run after
+        data, overhead, startup = _http(engine_args=(base_dir, python, tmp), adapters=adapters, refs=refs, prompt=prompt, repeats=repeats, warmup=warmup, show=show, inproc=inproc)
+        if inproc is not None:
+            extra = inproc.run()
+            inproc.close()
+            data.update(extra["modes"])
+            report.notes.append(
+                f"In-process rows: a vllm.LLM in the engine venv's own process (connect('vllm-inprocess', llm=llm); same LoRA limits, fp32, enforce_eager), "
+                f"its rounds after the HTTP server stopped; 'in-process' is the default transport ({', '.join(sorted(set(data['in-process']['transport'])))}), "
+                f"'bare add_lora' is peft save_pretrained + llm.llm_engine.add_lora(LoRARequest) + remove_lora of step-2 (no lorasync). "
+                f"LLM start-up {extra['startup_s']:.0f} s (overlapping the HTTP server's; {inproc.waited_s:.0f} s waited for it), rounds {extra['rounds_s']:.1f} s."
+            )
+    finally:
+        if inproc is not None:
+            inproc.close()
+    modes = tuple(data)
+    rows = []
+    for mode in modes:
+        samples = data[mode]
+        total, pub, first = (statistics.median(samples[k]) for k in ("total", "publish", "first"))
+        ok = sum(samples["served_new"])
+        rows.append([mode, fmt_ms(pub), fmt_ms(first), f"**{fmt_ms(total)}**", f"{ok}/{len(samples['served_new'])}"])
+    staged = [m for m in modes if m != "unload-then-load"]
+    stage_names = sorted({k for m in staged for st in data[m]["stages"] for k in st})
+    report.tables.append(Table(
+        f"Publish call → first completion served by the new weights (vLLM 0.32 CPU, tiny Llama, r8 adapter {fmt_bytes(adapters[0].nbytes)}; median of {repeats} interleaved rounds after {warmup} warm-up; ms)",
+        ["mode", "publish call", "first completion", "total", "first token = trainer's"],
+        rows,
+    ))
+    report.tables.append(Table(
+        "Inside the publish call (PublishReport timings, median ms; preflight includes the capacity check and pre-retirement)",
+        ["mode", *stage_names],
+        [[m, *[fmt_ms(statistics.median([st.get(k, 0.0) for st in data[m]["stages"]])) if any(k in st for st in data[m]["stages"]) else "–" for k in stage_names]] for m in staged],
+    ))
     orows = []
     for endpoint, (raw, client) in overhead.items():
         diff = client.median - raw.median
@@ -108,7 +116,7 @@ def _run(opts: Options, tmp: Path, python: Path, repeats: int, warmup: int, titl
         ["endpoint", "raw httpx", "lorasync client", "overhead"],
         orows,
     ))
-    for mode in ("disk", "ipc", "merged", "unload-then-load"):
+    for mode in modes:
         if not all(data[mode]["served_new"]):
             report.notes.append(f"{mode}: some first completions did not match the trainer's token (see JSON): the engine served stale or wrong weights then.")
     report.notes += [
@@ -125,6 +133,31 @@ def _run(opts: Options, tmp: Path, python: Path, repeats: int, warmup: int, titl
     report.data["peer"] = peer["data"]
     report.plot = lambda fig: _plot(fig, data, overhead, peer["data"])
     return report
+
+
+def _http(engine_args: tuple[Path, Path, Path], adapters: list[Any], refs: list[int], prompt: list[int], repeats: int, warmup: int, show: bool, inproc: InProcessCase | None) -> tuple[dict[str, Any], dict[str, tuple[Any, Any]], float]:
+    """The HTTP rows: a vLLM server, the four modes interleaved, then client overhead."""
+    from lorasync.engines import connect
+    from lorasync.testing.vllm_server import VLLMServer
+
+    base_dir, python, tmp = engine_args
+    t0 = time.perf_counter()
+    with VLLMServer(
+        base_dir,
+        python=python,
+        served_model_name=SERVED_BASE,
+        log_path=tmp / "vllm.log",
+        extra_args=("--worker-extension-cls", "lorasync.engines.vllm_worker.LoraSyncWorkerExtension"),
+    ) as server:
+        startup = time.perf_counter() - t0
+        engine = connect("vllm", server.url, timeout=120)
+        engine.generate(prompt, model=SERVED_BASE, max_tokens=1)  # first request compiles
+        if inproc is not None:
+            inproc.wait_ready()  # idle from here on: the HTTP rounds have the box
+        data = _measure_modes(("disk", "ipc", "merged", "unload-then-load"), engine, adapters, refs, prompt, tmp, base_dir, repeats, warmup, show)
+        overhead = _client_overhead(engine, server.url, adapters[0], tmp / "overhead", prompt, repeats, warmup, show)
+        engine.close()
+    return data, overhead, startup
 
 
 def _trainers(base_dir: Path, seeds: tuple[int, ...]) -> list[dict[str, Any]]:

@@ -34,7 +34,7 @@ from lorasync.errors import (
     StorageError,
     UnsupportedDtypeError,
 )
-from lorasync.wire.d2h import DEFAULT_CHUNK_BYTES, serialize, start_export
+from lorasync.wire.d2h import DEFAULT_CHUNK_BYTES, serialize, start_copy
 from lorasync.wire.layout import plan
 from lorasync.wire.views import raw_bytes
 
@@ -208,7 +208,7 @@ class Adapter:
         """
         if not _any_cuda(self._tensors):
             return self
-        buffer, wait = start_export(self._tensors, chunk_bytes=chunk_bytes)
+        buffer, wait = start_copy(self._tensors, chunk_bytes=chunk_bytes)
         host = self._with_tensors(buffer.tensors)  # while the transfers run
         wait()
         return host

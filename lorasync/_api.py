@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from lorasync._probe import Probe
 from lorasync._publish import AdapterLike, Publisher, _aclose_all
 from lorasync._report import PublishReport
+from lorasync._retention import Retention
 from lorasync.engines._engine import Engine
 from lorasync.transports._base_weights import BaseWeights
 from lorasync.transports._store import default_root, new_run_id
@@ -59,7 +60,9 @@ def publish_adapter(
         >>> report.served_name
         'policy@v12'
     """
-    publisher = Publisher(engines, name=name, transport=transport, keep=keep, root=root, run=run or _process_run(root), base=base, verify=verify)
+    # A throwaway publisher retires before it returns (nothing would wait for it afterwards).
+    retention = Retention(keep=keep, background=False)
+    publisher = Publisher(engines, name=name, transport=transport, root=root, run=run or _process_run(root), base=base, verify=verify, retention=retention)
     try:
         return publisher.publish(adapter, version=version)
     finally:
@@ -81,7 +84,8 @@ async def apublish_adapter(
 ) -> PublishReport:
     """Async twin of :func:`publish_adapter`. Engines given as specs are closed before it returns."""
     specs = [engines] if isinstance(engines, (Engine, str)) else list(engines)
-    publisher = Publisher(specs, name=name, transport=transport, keep=keep, root=root, run=run or _process_run(root), base=base, verify=verify)
+    retention = Retention(keep=keep, background=False)
+    publisher = Publisher(specs, name=name, transport=transport, root=root, run=run or _process_run(root), base=base, verify=verify, retention=retention)
     try:
         return await publisher.apublish(adapter, version=version)
     finally:

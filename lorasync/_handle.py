@@ -15,9 +15,9 @@ from lorasync._files import VersionFiles
 from lorasync._names import parse_served_name, served_name
 from lorasync._probe import Probe
 from lorasync._retention import Ledger, Retention, RetentionWarning, plan
-from lorasync.engines._base import Capabilities, Engine
+from lorasync.engines._engine import Capabilities, Engine
 from lorasync.errors import AdapterNotFoundError, CapacityError, EngineError, StaleVersionError, VerificationError
-from lorasync.transports._base import Transport
+from lorasync.transports._transport import Transport
 from lorasync.transports.inplace import InPlaceTransport
 
 __all__ = ["EngineHandle"]

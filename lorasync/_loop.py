@@ -1,5 +1,6 @@
-"""The publisher's own event loop, in a daemon thread, for sync callers; and a thread lock held
-from async code without leaking it on cancellation.
+"""The publisher's own event loop, in a daemon thread, for sync callers; a thread lock held
+from async code without leaking it on cancellation; and the one background phase a publish
+leaves running after it returned (retirement), awaited by whoever comes next.
 
 ``Publisher.publish`` (sync) submits its coroutine here, so engine clients keep their connections
 (and TLS setup) from step to step, whether or not the caller's thread already runs a loop
@@ -9,12 +10,13 @@ from async code without leaking it on cancellation.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import threading
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any, TypeVar
 
-__all__ = ["LoopThread", "held"]
+__all__ = ["Background", "LoopThread", "held", "wait_done"]
 
 T = TypeVar("T")
 
@@ -77,3 +79,80 @@ async def held(lock: threading.Lock) -> AsyncIterator[None]:
         yield
     finally:
         lock.release()
+
+
+class Background:
+    """At most one coroutine running after its caller returned (a publish's retirement), on the
+    caller's loop; whoever comes next waits for it first, from any loop or thread.
+
+    A loop that stops or closes while the coroutine is unfinished abandons it (``asyncio.run``
+    cancels it on the way out): :meth:`wait` then returns False, and the caller must not trust
+    the state the coroutine was updating.
+    """
+
+    def __init__(self) -> None:
+        self._task: asyncio.Task[Any] | None = None
+        self.done: concurrent.futures.Future[None] | None = None
+
+    @property
+    def pending(self) -> bool:
+        """Something was started and not waited for yet."""
+        return self._task is not None
+
+    def start(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future[None]:
+        """Run ``coro`` on the running loop; returns a future done when it ends (however)."""
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        task = asyncio.ensure_future(coro)
+        task.add_done_callback(lambda t: done.set_result(None) if not done.done() else None)
+        self._task, self.done = task, done
+        return done
+
+    async def wait(self) -> bool:
+        """Wait for the coroutine started last; whether it finished (not cancelled or abandoned).
+
+        A cancellation of the waiter leaves the coroutine running (and still awaited next time).
+        """
+        task = self._task
+        if task is None:
+            return True
+        loop = task.get_loop()
+        if loop is asyncio.get_running_loop():
+            if not task.done():
+                try:
+                    await asyncio.shield(task)
+                except asyncio.CancelledError:
+                    if not task.cancelled():
+                        raise  # the waiter was cancelled, not the task: it stays awaited next time
+                except Exception:  # noqa: S110 - reported through the task's result below
+                    pass
+        elif task.done():
+            pass
+        elif loop.is_closed() or not loop.is_running():
+            # Its loop stopped: it would never finish here. Cancel it, so that should that loop
+            # ever run again it unwinds instead of acting on state that moved on.
+            with contextlib.suppress(RuntimeError):
+                task.cancel()
+            self._task = self.done = None
+            return False
+        else:
+            await asyncio.wrap_future(self.done)  # type: ignore[arg-type]
+        self._task = self.done = None
+        return not task.cancelled() and task.exception() is None
+
+
+def wait_done(done: concurrent.futures.Future[None] | None, loop: asyncio.AbstractEventLoop | None, timeout: float | None) -> None:
+    """Block until ``done`` (from :meth:`Background.start` on ``loop``).
+
+    Raises:
+        RuntimeError: called on ``loop`` itself, which could then never finish it.
+        TimeoutError: not done within ``timeout`` seconds.
+    """
+    if done is None or done.done():
+        return
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if running is not None and running is loop:
+        raise RuntimeError("cannot block on a publish's retirement from the event loop that runs it: use `await report.asettled()`")
+    done.result(timeout)

@@ -1,9 +1,11 @@
 """Publisher: deliver one adapter version to many engines, safely, step after step.
 
-Per engine, concurrently: pre-flight (capabilities, the engine's own rules, capacity) → choose a
-transport (:mod:`lorasync._select`) → deliver → optional verify → retire versions outside the
-retention window once their requests drained (:mod:`lorasync._retention`). Then the run's files
-that nothing may read again are collected (:mod:`lorasync._files`). Invariants:
+Per engine, concurrently, the critical path: pre-flight (capabilities, the engine's own rules,
+capacity) → choose a transport (:mod:`lorasync._select`) → deliver (a disk publish hashes in its
+write pass: :mod:`lorasync._digest`) → optional verify. Then, by default after ``publish``
+returned (:mod:`lorasync._aftercare`): re-list, retire versions outside the retention window once
+their requests drained (:mod:`lorasync._retention`), collect the run's files nothing may read
+again (:mod:`lorasync._files`). Invariants:
 
 * Versions are monotonic per (engine, name): an older version never replaces a newer one, and a
   version that concurrent publishers already superseded is taken out of service again.
@@ -29,6 +31,8 @@ import torch
 from torch import nn
 
 from lorasync._adapter import Adapter
+from lorasync._aftercare import Aftercare
+from lorasync._digest import PublishDigest
 from lorasync._files import VersionFiles
 from lorasync._handle import EngineHandle
 from lorasync._loop import LoopThread, held
@@ -37,9 +41,10 @@ from lorasync._probe import Probe
 from lorasync._report import EngineResult, PublishReport
 from lorasync._retention import Ledger, Retention
 from lorasync._select import TRANSPORTS, choose_transport
-from lorasync.engines._base import Engine
+from lorasync.engines._engine import Engine
 from lorasync.engines._registry import parse_engine_spec
-from lorasync.errors import ConfigError, EngineError, LoraSyncError
+from lorasync.errors import ConfigError, LoraSyncError
+from lorasync.transports._transport import Transport
 from lorasync.transports._base_weights import BaseWeights
 from lorasync.transports._store import DiskStore
 from lorasync.transports.disk import DiskTransport
@@ -129,6 +134,10 @@ class Publisher:
         self._pins: dict[int, int] = {}
         self._lock = threading.Lock()
         self._loop = LoopThread()
+        self._care = Aftercare(
+            name=self.name, engines=self.engines, ledgers=self._ledgers, handles=self._handles, files=self._files,
+            retention=self.retention, pins=lambda: self.pinned, in_place=in_place,
+        )
 
     @property
     def run(self) -> str:
@@ -147,8 +156,10 @@ class Publisher:
             verify (`Probe`, *optional*): overrides the publisher's probe for this publish.
 
         Returns:
-            `PublishReport`: per-engine outcome. Engine failures are reported, not raised; call
-            ``report.raise_for_errors()`` to raise them.
+            `PublishReport`: per-engine outcome, returned once every engine serves the new version
+            (or failed). Engine failures are reported, not raised; call
+            ``report.raise_for_errors()`` to raise them. Old versions retire after it returned
+            (``Retention.background``); ``report.settled()`` waits for that.
 
         Raises:
             InvalidNameError: bad version. AdapterError / ExportError: bad adapter.
@@ -166,28 +177,37 @@ class Publisher:
             adapter = await asyncio.to_thread(export, adapter)
             timings["export"] = time.perf_counter() - start
         probe = verify or self.verify
-        t0 = time.perf_counter()
-        digest = await asyncio.to_thread(lambda: adapter.content_hash)
-        timings["hash"] = time.perf_counter() - t0
+        digest = PublishDigest(adapter)
         async with held(self._lock):
+            await self._care.previous_settled()
             self._disk.new_publish()
-            results = await asyncio.gather(*(self._guarded(e, adapter, version, digest, probe) for e in self.engines))
-            t0 = time.perf_counter()
-            await self._collect_files(version)
-            timings["gc"] = time.perf_counter() - t0
-        timings["total"] = time.perf_counter() - start
-        names = {r.served_name for r in results if r.ok and r.served_name}
-        if self.in_place:
-            names = {self.name}
-        return PublishReport(
-            name=self.name,
-            version=version,
-            served_name=names.pop() if len(names) == 1 else served_name(self.name, version),
-            content_hash=digest,
-            nbytes=adapter.nbytes,
-            results=list(results),
-            timings=timings,
-        )
+            done = await asyncio.gather(*(self._guarded(e, adapter, version, digest, probe) for e in self.engines))
+            results = [r for r, _ in done]
+            if all(r.status == "unchanged" for r in results):
+                await asyncio.to_thread(self._disk.discard, self.name, version)  # written to learn its hash only
+            content_hash = await digest.get()  # known unless every engine failed before needing it
+            timings["hash"] = digest.seconds
+            timings["total"] = time.perf_counter() - start
+            names = {r.served_name for r in results if r.ok and r.served_name}
+            if self.in_place:
+                names = {self.name}
+            report = PublishReport(
+                name=self.name,
+                version=version,
+                served_name=names.pop() if len(names) == 1 else served_name(self.name, version),
+                content_hash=content_hash,
+                nbytes=adapter.nbytes,
+                results=results,
+                timings=timings,
+            )
+            # The new version serves: what is left (re-listing, retirement, file collection) runs
+            # after this call returns, and the next publish waits for it before touching anything.
+            after = self._care.after(done, version, timings)
+            if self.retention.background:
+                report._after = (self._care.background.start(after), asyncio.get_running_loop())
+            else:
+                await after
+        return report
 
     def pin(self, version: int) -> None:
         """Never retire ``version`` (on any engine) until :meth:`unpin`; pins nest."""
@@ -233,19 +253,9 @@ class Publisher:
 
     async def acollect(self, *, closing: bool = False) -> dict[str, list[str]]:
         """Async twin of :meth:`collect`."""
-        out: dict[str, list[str]] = {"retired": [], "deferred": []}
         async with held(self._lock):
-            for engine in self.engines if not self.in_place else ():
-                ledger = self._ledgers[id(engine)]
-                with contextlib.suppress(LoraSyncError):
-                    if ledger.synced:
-                        done, waiting = await self._handles[id(engine)].retire(ledger, self.retention, self.pinned, closing=closing)
-                        out["retired"] += done
-                        out["deferred"] += waiting
-            newest = max((v for ledger in self._ledgers.values() for v in ledger.versions), default=None)
-            if newest is not None:
-                await self._collect_files(newest)
-        return out
+            await self._care.previous_settled()
+            return await self._care.retire_all(closing=closing)
 
     def restore_base(self) -> None:
         """Undo merged publishes: every engine this publisher merged into gets its pristine base
@@ -265,7 +275,7 @@ class Publisher:
     def close(self) -> None:
         """Retire what has drained, close the engines' connections and stop the publisher's
         event loop (idempotent). Versions still in use stay loaded, with their files."""
-        if self._loop.running:
+        if self._loop.running or self._care.background.pending:
             with contextlib.suppress(LoraSyncError):
                 self._loop.run(self.acollect(closing=True))
         self._release()
@@ -294,24 +304,18 @@ class Publisher:
 
     # -- one engine -------------------------------------------------------------------------------
 
-    async def _guarded(self, engine: Engine, adapter: Adapter, version: int, digest: str, probe: Probe | None) -> EngineResult:
-        """One engine's publish; whatever it raises becomes this engine's typed, reported error."""
+    async def _guarded(self, engine: Engine, adapter: Adapter, version: int, digest: PublishDigest, probe: Probe | None) -> tuple[EngineResult, Transport | None]:
+        """One engine's publish up to serving; whatever it raises becomes this engine's typed,
+        reported error. Returns the result, and the transport when the version must settle."""
         result = EngineResult(engine=engine.kind or type(engine).__name__, url=engine.url, status="failed")
-        ledger = self._ledgers[id(engine)]
+        settle = None
         try:
-            await self._publish_one(engine, ledger, result, adapter, version, digest, probe)
-        except LoraSyncError as exc:
-            result.error = exc
-        except Exception as exc:  # a bug or an untranslated foreign error: report it, typed
-            where = f"{result.engine} at {engine.url or '(in-process)'}"
-            result.error = EngineError(f"{where} failed unexpectedly: {type(exc).__name__}: {exc}", engine=result.engine, url=engine.url, adapter=served_name(self.name, version))
-            result.error.__cause__ = exc
-        if result.error is not None:
-            self._handles[id(engine)].forget_caps()  # re-probe next time: the engine may have restarted
-            ledger.synced = False
-        return result
+            settle = await self._publish_one(engine, self._ledgers[id(engine)], result, adapter, version, digest, probe)
+        except Exception as exc:
+            self._care.failed(engine, result, exc, version)
+        return result, settle
 
-    async def _publish_one(self, engine: Engine, ledger: Ledger, result: EngineResult, adapter: Adapter, version: int, digest: str, probe: Probe | None) -> None:
+    async def _publish_one(self, engine: Engine, ledger: Ledger, result: EngineResult, adapter: Adapter, version: int, hashing: PublishDigest, probe: Probe | None) -> Transport | None:
         handle = self._handles[id(engine)]
         served = served_name(self.name, version)
         t0 = time.perf_counter()
@@ -324,7 +328,15 @@ class Publisher:
         fresh = not ledger.synced
         if transport.versioned:
             await handle.sync(ledger)
-            self._files.sweep_orphans(self._engine_lists())
+            self._files.sweep_orphans(self._care.engine_lists())
+        t_hash = time.perf_counter()
+        if transport is self._disk and version > max(ledger.versions, default=-1):
+            # A new version (every training step): written now and hashed in the same pass; its
+            # files go again below if the engine already serves identical content.
+            digest = await hashing.get(lambda: self._staged(adapter, version))
+        else:
+            digest = await hashing.get()
+        t0 += time.perf_counter() - t_hash  # the write or hash is reported as such, not as preflight
         if transport.versioned and not fresh and ledger.unchanged(versioned=True, version=version, digest=digest):
             # About to move nothing on the strength of memory: ask the engine, which may have
             # restarted (and forgotten every adapter) since this publisher last looked.
@@ -335,7 +347,7 @@ class Publisher:
             result.status = "unchanged"
             result.served_name = served_name(self.name, ledger.newest()) if transport.versioned else (self.name if self.in_place else "")  # type: ignore[arg-type]
             result.reason = f"already serving identical content ({digest[:12]}); nothing moved"
-            return
+            return None
         ledger.check_monotonic(self.name, versioned=transport.versioned, version=version, digest=digest)
         if transport.versioned:
             result.retired = await handle.make_room(ledger, self.retention, self.pinned, caps)
@@ -366,33 +378,12 @@ class Publisher:
             await handle.verify(ledger, transport, probe, version, previous=previous)
             result.timings["verify"] = time.perf_counter() - t0
             result.reason += "; verified through the engine"
-        if transport.versioned:
-            t0 = time.perf_counter()
-            await handle.settle(ledger, transport, version, self.retention, self.pinned)
-            done, result.deferred = await handle.retire(ledger, self.retention, self.pinned)
-            result.retired += done
-            result.timings["retire"] = time.perf_counter() - t0
         result.status = "loaded"
+        return transport if transport.versioned else None
 
-    def _engine_lists(self) -> dict[str, set[str]]:
-        ids = {id(e): self._handles[id(e)].engine_id for e in self.engines}
-        return {ids[k]: {served_name(self.name, v) for v in ledger.versions} for k, ledger in self._ledgers.items() if ledger.synced}
+    async def _staged(self, adapter: Adapter, version: int) -> str:
+        return (await self._disk.stage(adapter, self.name, version))[0]
 
-    async def _collect_files(self, current: int) -> None:
-        """Delete this run's version directories nothing may read again (best effort)."""
-        if self.in_place:
-            swapped = {ledger.in_place[0] for ledger in self._ledgers.values() if ledger.in_place is not None}
-            await self._files.collect(current=current, keep=self.retention.keep, held=swapped, pins=self.pinned, in_use=())
-            return
-        if any(not ledger.synced for ledger in self._ledgers.values()):
-            return  # an engine's view is unknown (it failed): keep every file
-        loaded = self._files.held() | {v for ledger in self._ledgers.values() for v in ledger.versions}
-        in_use: set[str] | None = set()
-        for handle in self._handles.values():
-            if handle.reloads:  # the engines that may re-read a version's files
-                busy = handle.last_in_use
-                in_use = None if busy is None or in_use is None else in_use | busy
-        await self._files.collect(current=current, keep=self.retention.keep, held=loaded, pins=self.pinned, in_use=in_use)
 
 
 async def _aclose_all(engines: Iterable[Engine]) -> None:

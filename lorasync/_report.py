@@ -67,6 +67,38 @@ class PublishReport:
     nbytes: int
     results: list[EngineResult] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
+    # The retirement this publish left running (``Retention.background``): its future and loop.
+    _after: tuple[Any, Any] | None = field(default=None, repr=False, compare=False)
+
+    def settled(self, timeout: float | None = None) -> PublishReport:
+        """Wait until this publish's retirement of old versions (and collection of their files)
+        finished; then ``retired``, ``deferred`` and ``timings`` are final. Returns ``self``.
+
+        The next publish, ``Publisher.collect`` and ``close`` wait for it anyway; call this only
+        to look at the engine's state right after a publish.
+
+        Raises:
+            RuntimeError: called on the event loop that runs it (use :meth:`asettled`).
+            TimeoutError: not finished within ``timeout`` seconds.
+        """
+        from lorasync._loop import wait_done
+
+        if self._after is not None:
+            wait_done(self._after[0], self._after[1], timeout)
+        return self
+
+    async def asettled(self) -> PublishReport:
+        """Async twin of :meth:`settled`."""
+        import asyncio
+
+        if self._after is not None and not self._after[0].done():
+            await asyncio.wrap_future(self._after[0])
+        return self
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_after"] = None  # a future does not leave its process
+        return state
 
     @property
     def ok(self) -> bool:

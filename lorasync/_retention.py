@@ -48,6 +48,10 @@ class Retention:
             unloaded anyway (with a warning).
         max_staleness (`int | None`): versions within this distance of the newest are never
             retired (an off-policy window: ``max_staleness=4`` keeps v(N-4)..vN while vN is newest).
+        background (`bool`, defaults to True): retire old versions and collect their files after
+            ``publish`` returned, once the new version serves (the next publish, ``collect`` and
+            ``close`` wait for it first; ``report.settled()`` waits for one publish's). False: the
+            publish call does it before returning.
     """
 
     keep: int = 2
@@ -55,6 +59,7 @@ class Retention:
     drain_timeout: float | None = 600.0
     max_deferred: int = 8
     max_staleness: int | None = None
+    background: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.keep, bool) or not isinstance(self.keep, int) or self.keep < 1:

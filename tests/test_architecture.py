@@ -27,7 +27,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("_names", "_keys", "_config", "_retry", "_collectives", "_retention", "_loop"),
     ("_adapter", "_probe", "_report", "transforms"),
     ("exporters", "transports", "engines"),
-    ("distributed", "_publish", "_api", "_handle", "_files", "_select", "inspection"),
+    ("distributed", "_publish", "_api", "_handle", "_files", "_select", "_digest", "_aftercare", "inspection"),
     ("cli", "integrations", "testing", "__main__", "__init__"),
 ]
 
@@ -37,7 +37,6 @@ ALLOWED: dict[tuple[str, str], str] = {
 
 # Modules over 400 lines that another part of issue 13 is splitting right now.
 LONG_PENDING: dict[str, str] = {
-    "lorasync/engines/vllm.py": "the vLLM client -> engines/vllm/ package",
 }
 
 MAX_LINES = 400

@@ -49,6 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--root", type=Path, metavar="DIR", help="directory on tmpfs for disk transports (default /dev/shm)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--no-plot", action="store_true", help="write no PNG files")
+    p.add_argument("--no-inprocess", action="store_true", help="bench vllm: skip the in-process vllm.LLM rows (they add about a minute, mostly its start-up)")
 
 
 def _ints(text: str) -> list[int]:
@@ -101,5 +102,6 @@ def _main(args: argparse.Namespace) -> int:
         root=args.root,
         progress=not args.no_progress,
         plot=plot,
+        inprocess=not args.no_inprocess,
     )
     return int(runner.run_all(list(args.names) or list(BENCHMARKS), opts))

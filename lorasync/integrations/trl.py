@@ -137,6 +137,8 @@ class LoraSyncCallback(TrainerCallback):
             if self._pending:  # published after the last log: keep it in the run's history
                 state.log_history.append({**self._pending, "step": state.global_step})
                 self._pending = {}
+            if self.reports:  # training is over: old versions retired, as the caller will look
+                self.reports[-1].settled()
         finally:
             if self._given is None and self.publisher is not None:
                 self.publisher.close()

@@ -1,5 +1,9 @@
 """Fold LoRA deltas into pristine base weights, streamed in buckets of bounded size.
 
+On a GPU each module is one fused GEMM kernel (:mod:`lorasync.transports._fold_gpu`: ``B·A`` in
+float32, W0 added, rounded once, W0 read and W written once); the CPU, and a GPU without Triton,
+take the blocked float32 path below, bit for bit as before.
+
 Fan-out: :class:`SharedFold` runs one fold for every engine of a publish that needs the same
 buckets (same adapter, same modules to restore, same fused layout) and hands each bucket to all
 of them; a bucket is dropped once every engine has taken it, so memory grows only with how far
@@ -16,6 +20,7 @@ import torch
 
 from lorasync._adapter import Adapter
 from lorasync.transports._base_weights import BaseWeights
+from lorasync.transports._fold_gpu import fold_fused
 
 __all__ = ["SharedFold", "fold_buckets", "fold_module"]
 
@@ -26,19 +31,23 @@ def fold_module(
     """``W0 + scale·B·A`` for ``module`` in W0's dtype, computed in float32 and rounded once, on
     ``device`` (default: where W0 is); the result stays there.
 
-    W0 travels to ``device`` alone and in its own dtype. The rank-r product is formed in float32
-    in row blocks of at most ``block_bytes`` and added to W0 by one elementwise pass that writes
-    the result in W0's dtype, so the extra memory is one float32 block, never a float32 copy of
-    the weight. (cuBLAS's fused 16-bit ``addmm`` would round ``s·B·A`` to 16 bits before adding
-    it, which loses precision where W0 and the delta cancel.)
+    On a GPU: one fused kernel (module docstring). Otherwise W0
+    travels to ``device`` alone and in its own dtype; the rank-r product is formed in float32 in
+    row blocks of at most ``block_bytes`` and added to W0 by one elementwise pass that writes the
+    result in W0's dtype, so the extra memory is one float32 block, never a float32 copy of the
+    weight.
     """
     w0 = base.get(f"{module}.weight")
     a, b = adapter.pair(module)
     dev = torch.device(device) if device is not None else w0.device
+    scale = adapter.config.scale_for(module)
+    if dev.type == "cuda":
+        fused = fold_fused(w0, a, b, scale, dev)
+        if fused is not None:
+            return fused
     w0 = w0.to(device=dev, non_blocking=True)
     a32 = a.to(device=dev, dtype=torch.float32)
     b32 = b.to(device=dev, dtype=torch.float32)
-    scale = adapter.config.scale_for(module)
     out = torch.empty_like(w0)
     rows = max(1, block_bytes // (4 * max(1, w0.shape[1])))
     for start in range(0, w0.shape[0], rows):

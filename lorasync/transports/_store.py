@@ -187,12 +187,12 @@ class DiskStore:
 
     def runs(self, name: str) -> list[str]:
         """Every run directory of ``name`` under the root (this run included)."""
-        base = self.root / validate_name(name)
-        if not base.is_dir():
+        name_dir = self.root / validate_name(name)
+        if not name_dir.is_dir():
             return []
         # A directory holding a version's metadata directly is a version of the layout before runs
         # (``<root>/<name>/vN``): not a run, and never swept.
-        return sorted(e.name for e in base.iterdir() if e.is_dir() and not e.name.startswith(".") and not (e / META).exists())
+        return sorted(e.name for e in name_dir.iterdir() if e.is_dir() and not e.name.startswith(".") and not (e / META).exists())
 
     def sweep_orphans(self, name: str, *, keep: Callable[[str, int], bool]) -> list[Path]:
         """Remove versions of runs of ``name`` that no live store owns.
@@ -212,8 +212,8 @@ class DiskStore:
             run_dir = self.root / name / run
             if run_dir in _OWNED:
                 continue  # this process's own earlier run: its in-process engines may still serve it
-            probe = try_lock(run_dir / OWNER_LOCK)
-            if probe is None:
+            attempt = try_lock(run_dir / OWNER_LOCK)
+            if attempt is None:
                 continue  # a live owner
             try:
                 _remove_hidden(run_dir)
@@ -227,7 +227,7 @@ class DiskStore:
                 if not left and not _versions_in(run_dir):
                     shutil.rmtree(run_dir, ignore_errors=True)
             finally:
-                probe.close()
+                attempt.close()
         return removed
 
     # -- versions -----------------------------------------------------------------------------
@@ -242,12 +242,25 @@ class DiskStore:
             PublishError: the version exists in this run with different content (versions are immutable).
             StorageError: the filesystem failed (nothing partial is left behind).
         """
+        path, written, _ = self.write_hashed(adapter, name, version)
+        return path, written
+
+    def write_hashed(self, adapter: Adapter, name: str, version: int) -> tuple[Path, int, str]:
+        """:meth:`write`, and the content hash of exactly the bytes written, from the write pass.
+
+        Returns:
+            ``(path, bytes_written, content_hash)``; the recorded hash when the identical version
+            existed (then nothing is written).
+
+        Raises:
+            PublishError, StorageError: as :meth:`write`.
+        """
         final = self.path_for(name, version)
         run_dir = self.own(name)
         existing = self.content_hash(name, version)
         if existing is not None:
             if adapter.matches_hash(existing):
-                return final, 0
+                return final, 0, existing
             raise PublishError(
                 f"{name} v{version} is already published in run {self.run!r} at {final} with different content; "
                 "published versions are immutable: publish under a higher version (or a new run)",
@@ -274,7 +287,7 @@ class DiskStore:
                 # Only this run's owner writes here, so this is a second writer of the same version
                 # inside this publisher; equal content is the same publish.
                 if self.content_hash(name, version) == digest:
-                    return final, 0
+                    return final, 0, digest
                 raise PublishError(
                     f"{name} v{version} was published concurrently with different content in run {self.run!r}; "
                     "publish each version once",
@@ -292,7 +305,7 @@ class DiskStore:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        return final, written
+        return final, written, digest
 
     def record(self, name: str, version: int, *, holders: Iterable[str], unloaded_at: float | None = None) -> None:
         """Record which engines hold a version of this run, and when the last one let it go.

@@ -23,7 +23,6 @@ class Delivery:
 
     served_name: str
     bytes_moved: int
-    path: str | None = None
     timings: dict[str, float] = field(default_factory=dict)
 
 

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from lorasync.transports._base import Delivery, Transport
+from lorasync.transports._transport import Delivery, Transport
 from lorasync.transports._store import DiskStore
 
 if TYPE_CHECKING:
     from lorasync._adapter import Adapter
-    from lorasync.engines._base import Capabilities, Engine
+    from lorasync.engines._engine import Capabilities, Engine
 
 __all__ = ["DiskTransport"]
 
@@ -30,8 +31,9 @@ class DiskTransport(Transport):
         self.store = store
         self._locks: dict[tuple[str, int], asyncio.Lock] = {}
         # What this publish already wrote: engines 2..N of a fan-out load the same directory
-        # without hashing the adapter again (the publisher clears it at each publish).
-        self._written: dict[tuple[str, int], tuple[Adapter, str]] = {}
+        # without hashing the adapter again (the publisher clears it at each publish). The bytes
+        # and seconds of the write are reported once, by the first delivery that uses it.
+        self._written: dict[tuple[str, int], _Written] = {}
 
     def new_publish(self) -> None:
         """Forget what earlier publishes wrote (their tensors may have changed in place since)."""
@@ -44,17 +46,43 @@ class DiskTransport(Transport):
             return "engine does not share this host's filesystem (use a shared root or transport='ipc'/'merged')"
         return None
 
+    async def stage(self, adapter: Adapter, name: str, version: int) -> tuple[str, bool]:
+        """Write the version (once per publish) and return ``(content_hash, new)``: the hash of
+        the bytes written, from the write pass itself, so the publisher needs no hashing pass of
+        its own; ``new`` when this call created the directory (identical content already there:
+        False)."""
+        done = await self._write_once(adapter, name, version)
+        return done.digest, done.new
+
+    def discard(self, name: str, version: int) -> bool:
+        """Remove a version this publish staged but no engine was handed (its content was already
+        served: "unchanged"). Returns whether it was removed."""
+        done = self._written.pop((name, version), None)
+        if done is None or not done.new:
+            return False
+        self.store.remove(name, version)
+        return True
+
     async def write(self, adapter: Adapter, name: str, version: int) -> tuple[str, int, float]:
         """Write the version once for all engines of a publish; ``(path, bytes, seconds)``."""
+        start = time.perf_counter()
+        done = await self._write_once(adapter, name, version)
+        if done.unreported:
+            done.unreported = False
+            return done.path, done.nbytes, done.seconds
+        return done.path, 0, time.perf_counter() - start
+
+    async def _write_once(self, adapter: Adapter, name: str, version: int) -> _Written:
         lock = self._locks.setdefault((name, version), asyncio.Lock())
         async with lock:
-            start = time.perf_counter()
             done = self._written.get((name, version))
-            if done is not None and done[0] is adapter:
-                return done[1], 0, time.perf_counter() - start
-            path, written = await asyncio.to_thread(self.store.write, adapter, name, version)
-            self._written[(name, version)] = (adapter, str(path))
-            return str(path), written, time.perf_counter() - start
+            if done is not None and done.adapter is adapter:
+                return done
+            start = time.perf_counter()
+            path, written, digest = await asyncio.to_thread(self.store.write_hashed, adapter, name, version)
+            done = _Written(adapter, str(path), digest, written, time.perf_counter() - start, new=written > 0)
+            self._written[(name, version)] = done
+            return done
 
     async def deliver(self, adapter: Adapter, engine: Engine, caps: Capabilities, *, name: str, version: int, served: str) -> Delivery:
         # The version's directory belongs to this publisher's run: no other publisher collects it.
@@ -64,3 +92,14 @@ class DiskTransport(Transport):
         load_s = time.perf_counter() - start
         size = sum(f.stat().st_size for f in self.store.path_for(name, version).iterdir())
         return Delivery(served_name=served, bytes_moved=size, timings={"write": write_s, "load": load_s})
+
+
+@dataclass
+class _Written:
+    adapter: Adapter
+    path: str
+    digest: str
+    nbytes: int
+    seconds: float
+    new: bool
+    unreported: bool = True

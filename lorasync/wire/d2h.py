@@ -31,10 +31,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lorasync.wire.layout import Layout, plan, probe
+from lorasync.wire.layout import Layout, fingerprint, plan
 from lorasync.wire.shm import ShmSegment, create_segment, shared, write_segment
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "HostBuffer", "gather_into", "serialize", "start_export", "to_shm_segment"]
+__all__ = ["DEFAULT_CHUNK_BYTES", "HostBuffer", "gather_into", "serialize", "start_copy", "to_shm_segment"]
 
 #: Bytes gathered on the device per transfer: large enough for full link bandwidth and few
 #: host-side launches, small enough that the first transfer starts early.
@@ -42,7 +42,7 @@ DEFAULT_CHUNK_BYTES = 32 * 1024 * 1024
 #: The first piece copied to the host: its transfer (~0.15 ms at ~55 GB/s) must outlast queuing
 #: the next piece on the host (~0.1 ms measured on the H200's host); later pieces grow.
 _FIRST_PIECE = 8 * 1024 * 1024
-_recent: dict[object, Layout] = {}  # metadata -> layout of the latest export (see start_export)
+_recent: dict[object, Layout] = {}  # metadata -> layout of the latest export (see start_copy)
 _IS_CUDA = operator.attrgetter("is_cuda")
 
 
@@ -108,12 +108,12 @@ def serialize(
     Raises:
         UnsupportedDtypeError: a dtype safetensors cannot hold.
     """
-    buffer, wait = start_export(tensors, metadata, chunk_bytes=chunk_bytes)
+    buffer, wait = start_copy(tensors, metadata, chunk_bytes=chunk_bytes)
     wait()
     return buffer
 
 
-def start_export(
+def start_copy(
     tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES
 ) -> tuple[HostBuffer, Callable[[], None]]:
     """:func:`serialize` up to the wait: the buffer (header written, views cut) and the call that
@@ -123,7 +123,7 @@ def start_export(
     meta = None if metadata is None else tuple(sorted(metadata.items()))
     pinned = any(map(_IS_CUDA, values))
     guess, started = _recent.get(meta) if pinned else None, None
-    if guess is not None and guess.probe == probe(keys, (values[0].shape, values[-1].shape), (values[0].dtype,)):
+    if guess is not None and guess.fingerprint == fingerprint(keys, (values[0].shape, values[-1].shape), (values[0].dtype,)):
         # Queue the transfers with the layout of the last export of this kind (a trainer exports
         # the same structure at every step) and look the layout up while they run: the lookup
         # costs as much host time as queuing the first pieces. A wrong guess is dropped, and its

@@ -37,7 +37,7 @@ from lorasync.errors import WireFormatError
 from lorasync.wire.dtypes import ITEMSIZE, name_of
 from lorasync.wire.views import ViewPlan, cut_groups, group_entries, raw_bytes
 
-__all__ = ["Layout", "Piece", "header_json", "plan", "prefix", "probe"]
+__all__ = ["Layout", "Piece", "fingerprint", "header_json", "plan", "prefix"]
 
 _quote = json.encoder.encode_basestring_ascii  # type: ignore[attr-defined]  # the C encoder
 # Attribute getters looped in C: per-tensor Python calls add up over hundreds of tensors.
@@ -69,7 +69,7 @@ class Layout:
         members: per group, the positions of its tensors in the caller's mapping.
         order: per tensor of the caller's mapping, its position in data order.
         spans: per tensor of the caller's mapping, ``(begin, end)`` in the data section.
-        probe: what :func:`probe` sees of the tensors this layout was made for.
+        fingerprint: what :func:`fingerprint` sees of the tensors this layout was made for.
     """
 
     header: str
@@ -79,7 +79,7 @@ class Layout:
     members: tuple[tuple[int, ...], ...]
     order: tuple[int, ...]
     spans: tuple[tuple[int, int], ...]
-    probe: tuple[Any, ...]
+    fingerprint: tuple[Any, ...]
     _pieces: dict[tuple[int, int], tuple[Piece, ...]] = field(default_factory=dict, repr=False)
 
     @property
@@ -212,7 +212,7 @@ def plan(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None
     return _plan(tuple(tensors), tuple(map(_SHAPE, values)), tuple(map(_DTYPE, values)), meta, grouped)
 
 
-def probe(keys: tuple[str, ...], shapes: Sequence[torch.Size], dtypes: Sequence[torch.dtype]) -> tuple[Any, ...]:
+def fingerprint(keys: tuple[str, ...], shapes: Sequence[torch.Size], dtypes: Sequence[torch.dtype]) -> tuple[Any, ...]:
     """A cheap look at a structure (count, first and last key and shape, first dtype): whether
     guessing the last layout is worth starting. Only the ends of ``shapes`` and the start of
     ``dtypes`` are read."""
@@ -255,5 +255,5 @@ def _plan(
         order[i] = position
     text = header_json(((k, d, s, b, b + n) for k, d, s, b, n in entries), None if meta is None else dict(meta))
     head = torch.frombuffer(bytearray(prefix(text)), dtype=torch.uint8)
-    return Layout(text, head, offset, view_plan, members, tuple(order), tuple(spans), probe(keys, shapes, dtypes))
+    return Layout(text, head, offset, view_plan, members, tuple(order), tuple(spans), fingerprint(keys, shapes, dtypes))
 

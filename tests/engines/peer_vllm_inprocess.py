@@ -145,7 +145,9 @@ def test_three_versions_keep_two_each_serving_peft_tokens(host: Any, engine: VLL
         served.append(report.served_name)
         for prompt, want in zip(DATA["prompts"], expected):
             assert generate(host, engine, report.served_name, prompt) == want, (version, prompt)
-    # Only the last two stay loaded, in lorasync's names and in vLLM's own adapter ids.
+    # Only the last two stay loaded, in lorasync's names and in vLLM's own adapter ids (once the
+    # last publish's retirement, which runs after it returned, is done).
+    report.settled()
     assert engine.list_adapters() == served[1:]
     assert loaded_ids(host) == {engine.lora_request(s).lora_int_id for s in served[1:]}
     with pytest.raises(AdapterNotFoundError):
@@ -153,6 +155,19 @@ def test_three_versions_keep_two_each_serving_peft_tokens(host: Any, engine: VLL
     publisher.close()
     for name in engine.list_adapters():
         engine.unload_adapter(name)
+
+
+def test_two_engine_objects_over_one_llm_serve_their_own_weights(host: Any, engine: VLLMInProcessEngine, tmp_path: Path) -> None:
+    other = connect("vllm-inprocess", llm=host.llm, loop=host.loop) if MODE == "async" else connect("vllm-inprocess", llm=host)
+    with Publisher(engine, name="first", root=tmp_path / "a") as one, Publisher(other, name="second", root=tmp_path / "b") as two:
+        first = one.publish(Adapter.load(DATA["adapters"][0]), version=1).raise_for_errors().served_name
+        second = two.publish(Adapter.load(DATA["adapters"][1]), version=1).raise_for_errors().served_name
+        assert engine.lora_request(first).lora_int_id != other.lora_request(second).lora_int_id
+        prompt = DATA["prompts"][0]
+        assert generate(host, other, second, prompt) == DATA["expected"][1][0]
+        assert generate(host, engine, first, prompt) == DATA["expected"][0][0]
+    engine.unload_adapter(first)
+    other.unload_adapter(second)
 
 
 def test_disk_fallback_serves_the_same_tokens(host: Any, engine: VLLMInProcessEngine, tmp_path: Path) -> None:

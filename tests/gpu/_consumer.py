@@ -8,6 +8,7 @@ Protocol: one JSON object per line on stdin, one answer per line on stdout.
 * ``{"op": "import", "arg": spec_json}`` → ``import_tensors`` straight (kept under ``"held"``).
 * ``{"op": "hashes", "token": token}`` → hashes of what is staged (or held) now.
 * ``{"op": "release", "token": token}`` → ``lorasync_release_adapter``.
+* ``{"op": "mappings"}`` → the producer segments kept mapped (``handles`` in base64, ``covered``).
 
 Only vLLM's LoRA manager is absent: a stub object receives the loader hook.
 """
@@ -24,6 +25,7 @@ from _gpu_helpers import digest
 
 from lorasync.engines import vllm_worker
 from lorasync.engines.vllm_worker import LoraSyncWorkerExtension
+from lorasync.wire import cuda_ipc
 from lorasync.wire.cuda_ipc import import_tensors
 
 
@@ -52,6 +54,9 @@ def main() -> None:
             elif op == "hashes":
                 staged = vllm_worker._STAGED.get(msg["token"])
                 answer = {"hashes": digest(staged[0] if staged else held)}
+            elif op == "mappings":
+                kept = list(cuda_ipc._mappings.items())
+                answer = {"handles": [cuda_ipc._b64(h) for (_, h), _ in kept], "covered": [c for _, (c, _) in kept]}
             elif op == "release":
                 answer = {"released": LoraSyncWorkerExtension.lorasync_release_adapter(worker, msg["token"])}  # type: ignore[arg-type]
             else:

@@ -11,7 +11,7 @@ import torch
 from _gpu_helpers import adapter_on_gpu, digest
 
 from lorasync.engines.vllm import CONFIG_KEY, IPC_PREFIX, VLLMEngine
-from lorasync.wire.cuda_ipc import export_tensors
+from lorasync.wire.cuda_ipc import share_tensors
 
 
 def test_second_process_rebuilds_bit_exact_and_owns_its_copy(consumer) -> None:
@@ -20,7 +20,7 @@ def test_second_process_rebuilds_bit_exact_and_owns_its_copy(consumer) -> None:
     gc.collect()
     torch.cuda.synchronize()
     baseline = torch.cuda.memory_allocated()
-    export = export_tensors(gpu.tensors, {CONFIG_KEY: json.dumps({"r": 8})})
+    export = share_tensors(gpu.tensors, {CONFIG_KEY: json.dumps({"r": 8})})
     assert torch.cuda.memory_allocated() > baseline
     answer = consumer.ask(op="stage_cuda", arg=json.dumps({"token": "t1", **export.spec}))
     assert answer["staged"] is True and answer["tensors"] == len(gpu.tensors)
@@ -48,7 +48,7 @@ def test_import_tensors_lands_on_the_gpu_bit_exact(consumer) -> None:
         "strided": torch.randn(8, 16, device="cuda", generator=g)[:, ::2],
     }
     expected = digest(tensors)
-    with export_tensors(tensors) as export:
+    with share_tensors(tensors) as export:
         answer = consumer.ask(op="import", arg=json.dumps(export.spec))
     assert answer["hashes"] == expected and answer["devices"] == ["cuda"]
 
@@ -57,14 +57,14 @@ def test_consumer_sees_work_queued_before_export(consumer) -> None:
     t = torch.zeros(1 << 20, device="cuda")
     torch.cuda._sleep(200_000_000)
     t.fill_(3.0)
-    with export_tensors({"t": t}) as export:  # no synchronisation on the producer side
+    with share_tensors({"t": t}) as export:  # no synchronisation on the producer side
         answer = consumer.ask(op="import", arg=json.dumps(export.spec))
     assert answer["hashes"] == digest({"t": torch.full((1 << 20,), 3.0)})
 
 
 def test_worker_without_the_gpu_declines(cpu_consumer) -> None:
     gpu = adapter_on_gpu(layers=1, seed=12)
-    with export_tensors(gpu.tensors, {CONFIG_KEY: "{}"}) as export:
+    with share_tensors(gpu.tensors, {CONFIG_KEY: "{}"}) as export:
         answer = cpu_consumer.ask(op="stage_cuda", arg=json.dumps({"token": "t2", **export.spec}))
     assert answer["staged"] is False and "CUDA" in answer["reason"]
 
@@ -117,3 +117,69 @@ def test_vllm_client_falls_back_to_shared_memory(cpu_consumer) -> None:
     _engine_routed_to(cpu_consumer, calls, [], staged).load_adapter_tensors("p@v1", gpu)
     assert calls == ["lorasync_stage_adapter_cuda", "lorasync_release_adapter", "lorasync_stage_adapter"]
     assert staged[0]["staged"] is False and staged[1]["hashes"] == digest(gpu.tensors)
+
+
+def _filled(value: float, n: int = 1 << 20) -> dict[str, torch.Tensor]:
+    return {"x": torch.full((n,), value, device="cuda"), "y": torch.full((n // 4, 4), -value, device="cuda").to(torch.bfloat16)}
+
+
+def test_kept_mapping_never_serves_a_stale_or_foreign_buffer(consumer) -> None:
+    """The consumer keeps the producer's segment mapped between steps. Whatever the producer's
+    allocator does in between — the same block again, another block of the same segment, the
+    segment freed (``empty_cache``) and a new one allocated — every import reads this step's
+    bytes; a new allocation comes with a new handle, so it is mapped afresh."""
+
+    def step(value: float, keep: bool = False, n: int = 1 << 20):
+        tensors = _filled(value, n)
+        export = share_tensors(tensors)
+        answer = consumer.ask(op="import", arg=json.dumps(export.spec))
+        assert answer["hashes"] == digest(tensors), value
+        ipc = export.spec["ipc"]
+        address = export._flat.data_ptr()
+        if not keep:
+            export.release()
+        return export, ipc["handle"], ipc["storage_offset"], address
+
+    _, h1, _, _ = step(1.0)
+    _, h2, _, _ = step(2.0)  # the same block again, most likely: the kept mapping is used
+    kept = consumer.ask(op="mappings")
+    assert h1 in kept["handles"] and (h2 == h1) == (len(kept["handles"]) == 1)
+    held, h3, off3, _ = step(3.0, keep=True)  # still held: the next export gets another block
+    other, h4, off4, _ = step(4.0, keep=True)
+    assert (h4, off4) != (h3, off3)
+    held.release()
+    other.release()
+    # A buffer of its own segment (72 MiB), freed with the segment (empty_cache) and allocated
+    # anew, most likely at the same address: a new handle, mapped afresh, fresh bytes.
+    gc.collect()
+    torch.cuda.empty_cache()  # no earlier segment to carve it from
+    _, h5, _, a5 = step(5.0, n=16 << 20)
+    step(6.0, n=16 << 20)
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    _, h7, _, a7 = step(7.0, n=16 << 20)
+    print(f"segment address before/after empty_cache: {a5:#x} / {a7:#x}, handle changed: {h7 != h5}")
+    assert h7 != h5
+    assert h7 in consumer.ask(op="mappings")["handles"]
+    for value in (8.0, 9.0):  # and steps after it keep reading their own bytes
+        step(value, n=16 << 20)
+        step(value + 0.5)
+
+
+def test_consumer_keeps_at_most_max_mappings(consumer) -> None:
+    from lorasync.wire.cuda_ipc import MAX_MAPPINGS
+
+    held = []
+    for i in range(MAX_MAPPINGS + 2):
+        # 24 MiB apiece: above the allocator's 20 MiB segments for mid-sized blocks, so each
+        # buffer is a segment of its own with its own handle.
+        tensors = _filled(float(i), n=6 << 20)
+        export = share_tensors(tensors)
+        assert consumer.ask(op="import", arg=json.dumps(export.spec))["hashes"] == digest(tensors)
+        held.append(export)
+    kept = consumer.ask(op="mappings")["handles"]
+    assert len(kept) == MAX_MAPPINGS
+    assert held[-1].spec["ipc"]["handle"] in kept and held[0].spec["ipc"]["handle"] not in kept
+    for export in held:
+        export.release()

@@ -106,3 +106,36 @@ def test_a_changed_structure_is_never_exported_with_the_last_layout() -> None:
     odd["t1"] = rand(8, 12)  # in between, a tensor the guessed gathers cannot take
     check(odd)
     check({f"t{i}": rand(3, n) for i, n in enumerate((5, 6, 7))})  # other ends: no guess
+
+
+@pytest.mark.parametrize("chunk_bytes", [4096, 1 << 20, 32 << 20])
+def test_pieces_are_exact_and_ordered_against_the_callers_stream(chunk_bytes: int) -> None:
+    """Tensors of one GPU in several pieces and groups: every gather must follow the caller's
+    work queued just before (a slow fill), and nothing the caller queues after the call may
+    overwrite what has not been copied yet (the inputs freed and their memory refilled before the
+    wait). It caught a side-stream variant whose buffer reused a gather's freed memory."""
+    from lorasync.wire.d2h import start_copy
+
+    g = torch.Generator(device="cuda").manual_seed(6)
+    tensors = {
+        **{f"a{i}": torch.randn(16, 1 << 15, device="cuda", generator=g).to(torch.bfloat16) for i in range(6)},  # 1 MiB each
+        **{f"b{i}": torch.randn(1 << 14, 16, device="cuda", generator=g) for i in range(3)},  # 1 MiB each, another group
+        "c": torch.randint(0, 100, (3, 5), device="cuda", generator=g, dtype=torch.int32),
+    }
+    last = torch.zeros(1 << 18, 4, device="cuda")
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time ahead of the fill on the caller's stream
+    last.fill_(5.0)
+    tensors["z"] = last
+    expected = {k: t.cpu() for k, t in tensors.items()}  # waits for the fill: reference only
+    torch.cuda._sleep(200_000_000)
+    tensors["z"].fill_(6.0)  # queued behind another sleep: the export must see it
+    expected["z"] = torch.full_like(expected["z"], 6.0)
+    buf, wait = start_copy(tensors, chunk_bytes=chunk_bytes)
+    del tensors, last
+    junk = torch.full((16 << 20,), 0xAB, dtype=torch.uint8, device="cuda")  # reuses freed memory
+    wait()
+    parsed = load(bytes(buf.data.numpy()))
+    for key, ref in expected.items():
+        assert torch.equal(buf.tensors[key], ref), key
+        assert torch.equal(parsed[key], ref), key
+    del junk

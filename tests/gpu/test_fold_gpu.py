@@ -69,3 +69,35 @@ def test_gpu_fold_buckets_like_the_cpu_fold() -> None:
         for name in gb:
             diff = (gb[name].float().cpu() - cb[name].float()).abs()
             assert bool((diff <= cb[name].float().abs() * torch.finfo(torch.bfloat16).eps + 1e-4).all()), name
+
+
+@pytest.mark.parametrize("w0_device", ["cpu", "cuda"])
+def test_gpu_fold_never_writes_w0(w0_device: str) -> None:
+    """The fused fold writes in place only into W0's fresh copy on the GPU, never into W0."""
+    base, adapter = _setup(w0_device, torch.bfloat16, torch.bfloat16, seed=6)
+    pristine = {k: v.clone() for k, v in base.items()}
+    first = _fold(adapter, base, "cuda")
+    again = _fold(adapter, base, "cuda")
+    for name, w in base.items():
+        assert torch.equal(w, pristine[name]), name
+    for b1, b2 in zip(first, again):
+        assert all(torch.equal(b1[k], b2[k]) for k in b1)
+
+
+def test_gpu_fold_kernel_takes_odd_shapes_ranks_and_strides() -> None:
+    """Tile edges (rows and columns not multiples of the tile), ranks below and above 16 (the
+    kernel's smallest inner block, and two blocks), a transposed (strided) W0 on the host and
+    factors of another dtype than W0: within one rounding of a float64 reference."""
+    from lorasync.transports._fold_gpu import fold_fused
+
+    g = torch.Generator().manual_seed(8)
+    for out, inp, r, w_dtype, f_dtype in [(100, 72, 4, torch.bfloat16, torch.bfloat16), (257, 130, 40, torch.float16, torch.float16), (33, 300, 16, torch.bfloat16, torch.float32), (64, 48, 8, torch.float32, torch.float32)]:
+        w0 = torch.randn(inp, out, generator=g).to(w_dtype).t()  # strided, on the host
+        a = torch.randn(r, inp, generator=g).to(f_dtype).cuda()
+        b = torch.randn(out, r, generator=g).to(f_dtype).cuda()
+        got = fold_fused(w0, a, b, 0.75, torch.device("cuda"))
+        assert got is not None and got.dtype == w_dtype and got.device.type == "cuda"
+        ref = w0.double() + 0.75 * (b.double().cpu() @ a.double().cpu())
+        err = (got.double().cpu() - ref).abs()
+        tol = 1e-4 if w_dtype != torch.float32 else 1e-5
+        assert bool((err <= ref.abs() * torch.finfo(w_dtype).eps + tol).all()), (out, inp, r, float(err.max()))

@@ -45,6 +45,7 @@ def test_retention_keeps_only_keep_versions_loaded_and_on_disk(adapters, tmp_pat
     for v in range(1, 6):
         report = pub.publish(adapters(v), version=v)
         assert report.ok, report
+    report.settled()  # old versions retire after the new one serves
     assert sorted(engine.list_adapters()) == ["policy@v4", "policy@v5"]
     assert dirs(tmp_path, "policy") == ["v4", "v5"]
     assert report.results[0].retired == ["policy@v3"]
@@ -86,6 +87,33 @@ def test_identical_content_moves_no_bytes(adapters, tmp_path):
     assert publish_adapter(adapters(1), engine, name="p", version=2, root=tmp_path).results[0].status == "unchanged"
 
 
+def test_disk_publish_reads_the_adapter_once_and_unchanged_leaves_no_files(adapters, tmp_path, monkeypatch):
+    from lorasync import Adapter
+
+    passes = []
+    original = Adapter._hashed_chunks
+
+    def counted(self, h):
+        passes.append(1)
+        yield from original(self, h)
+
+    monkeypatch.setattr(Adapter, "_hashed_chunks", counted)
+    engines = [MemoryEngine(f"memory://{i}") for i in range(3)]
+    pub = Publisher(engines, name="p", transport="disk", root=tmp_path)
+    fresh = Adapter(adapters(1).tensors, adapters(1).config)
+    report = pub.publish(fresh, version=1).raise_for_errors()
+    assert len(passes) == 1  # one pass over the tensors: hashed as they were written, for all three engines
+    assert report.timings["hash"] == 0.0
+    passes.clear()
+    assert report.content_hash == fresh.content_hash == engines[0].adapters["p@v1"].content_hash
+    assert [r.bytes_moved > 0 for r in report.results] == [True, True, True]
+    again = pub.publish(Adapter(adapters(1).tensors, adapters(1).config), version=2)
+    assert [r.status for r in again.results] == ["unchanged"] * 3
+    assert dirs(tmp_path, "p") == ["v1"]  # v2 was written to learn its hash, then removed
+    assert all(e.list_adapters() == ["p@v1"] for e in engines)
+    pub.close()
+
+
 def test_one_engine_down_others_succeed_and_report_is_exact(adapters, tmp_path):
     good1, down, good2 = MemoryEngine("memory://a"), MemoryEngine("memory://b"), MemoryEngine("memory://c")
     down.fail_next("load_adapter", EngineUnavailableError("connection refused", engine="memory"), times=1)
@@ -103,12 +131,12 @@ def test_failed_load_keeps_previous_version_serving(adapters, tmp_path):
     pub = Publisher([engine], name="p", keep=1, root=tmp_path)
     assert pub.publish(adapters(1), version=1).ok
     engine.fail_next("load_adapter", EngineUnavailableError("boom"))
-    report = pub.publish(adapters(2), version=2)
+    report = pub.publish(adapters(2), version=2).settled()
     assert not report.ok
     assert engine.list_adapters() == ["p@v1"]
     assert dirs(tmp_path, "p") == ["v1", "v2"] or dirs(tmp_path, "p") == ["v1"]
     # The next publish recovers.
-    assert pub.publish(adapters(2), version=3).ok and engine.list_adapters() == ["p@v3"]
+    assert pub.publish(adapters(2), version=3).settled().ok and engine.list_adapters() == ["p@v3"]
 
 
 def test_multi_lora_names_are_independent(adapters, tmp_path):
@@ -117,7 +145,8 @@ def test_multi_lora_names_are_independent(adapters, tmp_path):
     code = Publisher([engine], name="code", keep=2, root=tmp_path)
 
     async def both(v):
-        return await asyncio.gather(math.apublish(adapters(v), version=v), code.apublish(adapters(v + 10), version=v))
+        reports = await asyncio.gather(math.apublish(adapters(v), version=v), code.apublish(adapters(v + 10), version=v))
+        return [await r.asettled() for r in reports]  # retired before this loop ends
 
     for v in (1, 2, 3):
         reports = asyncio.run(both(v))

@@ -33,10 +33,10 @@ def on_disk(pub: Publisher) -> list[int]:
 def test_running_request_keeps_its_version_loaded_and_its_files(tmp_path):
     engine = ReloadingEngine()
     pub = Publisher([engine], name="policy", keep=1, root=tmp_path, grace=0.0)
-    assert pub.publish(adapter(1), version=1).ok
+    assert pub.publish(adapter(1), version=1).settled().ok
     rid = engine.start("policy@v1")  # a long rollout on v1
     for v in (2, 3):
-        report = pub.publish(adapter(v), version=v)
+        report = pub.publish(adapter(v), version=v).settled()
         engine.step()
         assert report.ok, report
         assert report.results[0].deferred == ["policy@v1"]
@@ -52,8 +52,8 @@ def test_running_request_keeps_its_version_loaded_and_its_files(tmp_path):
 def test_files_outlive_the_unload_by_the_grace_on_engines_that_reload(tmp_path):
     engine = ReloadingEngine()
     pub = Publisher([engine], name="p", keep=1, root=tmp_path, grace=30.0)
-    pub.publish(adapter(1), version=1)
-    report = pub.publish(adapter(2), version=2)
+    pub.publish(adapter(1), version=1).settled()
+    report = pub.publish(adapter(2), version=2).settled()
     assert report.results[0].retired == ["p@v1"]
     assert on_disk(pub) == [1, 2]  # unloaded, but vLLM may still re-read it for a request it admitted
 
@@ -61,13 +61,13 @@ def test_files_outlive_the_unload_by_the_grace_on_engines_that_reload(tmp_path):
 def test_a_pinned_version_survives_any_number_of_publishes_and_retires_once_unpinned(tmp_path):
     engine = MemoryEngine()
     pub = Publisher([engine], name="p", keep=1, root=tmp_path)
-    pub.publish(adapter(1), version=1)
+    pub.publish(adapter(1), version=1).settled()
     pub.pin(1)
     for v in range(2, 7):
-        assert pub.publish(adapter(v), version=v).ok
+        assert pub.publish(adapter(v), version=v).settled().ok
         assert "p@v1" in engine.list_adapters() and 1 in on_disk(pub)
     pub.unpin(1)
-    report = pub.publish(adapter(7), version=7)
+    report = pub.publish(adapter(7), version=7).settled()
     assert "p@v1" in report.results[0].retired
     assert engine.list_adapters() == ["p@v7"] and on_disk(pub) == [7]
 
@@ -75,13 +75,13 @@ def test_a_pinned_version_survives_any_number_of_publishes_and_retires_once_unpi
 def test_lease_pins_for_the_block(tmp_path):
     engine = MemoryEngine()
     pub = Publisher([engine], name="p", keep=1, root=tmp_path)
-    pub.publish(adapter(1), version=1)
+    pub.publish(adapter(1), version=1).settled()
     with pub.lease(1) as model:
         assert model == "p@v1"
-        pub.publish(adapter(2), version=2)
+        pub.publish(adapter(2), version=2).settled()
         assert sorted(engine.list_adapters()) == ["p@v1", "p@v2"]
     assert pub.pinned == frozenset()
-    pub.publish(adapter(3), version=3)
+    pub.publish(adapter(3), version=3).settled()
     assert engine.list_adapters() == ["p@v3"]
 
 
@@ -89,19 +89,19 @@ def test_max_staleness_keeps_an_off_policy_window(tmp_path):
     engine = MemoryEngine()
     pub = Publisher([engine], name="p", keep=1, max_staleness=2, root=tmp_path)
     for v in range(1, 7):
-        pub.publish(adapter(v), version=v)
+        pub.publish(adapter(v), version=v).settled()
     assert sorted(engine.list_adapters()) == ["p@v4", "p@v5", "p@v6"]
 
 
 def test_deferral_is_bounded_with_a_typed_warning(tmp_path):
     engine = ReloadingEngine()
     pub = Publisher([engine], name="p", keep=1, max_deferred=1, root=tmp_path, grace=0.0)
-    pub.publish(adapter(1), version=1)
+    pub.publish(adapter(1), version=1).settled()
     stuck1 = engine.start("p@v1")
-    pub.publish(adapter(2), version=2)
+    pub.publish(adapter(2), version=2).settled()
     engine.start("p@v2")
     with pytest.warns(RetentionWarning, match="max_deferred=1"):
-        report = pub.publish(adapter(3), version=3)
+        report = pub.publish(adapter(3), version=3).settled()
     assert report.results[0].retired == ["p@v1"] and report.results[0].deferred == ["p@v2"]
     # Unloaded anyway, but its files stay while the engine still reports the request on it.
     assert 1 in on_disk(pub)
@@ -113,19 +113,19 @@ def test_deferral_is_bounded_with_a_typed_warning(tmp_path):
 def test_drain_timeout_bounds_a_stuck_version(tmp_path):
     engine = ReloadingEngine()
     pub = Publisher([engine], name="p", keep=1, drain_timeout=0.0, root=tmp_path, grace=0.0)
-    pub.publish(adapter(1), version=1)
+    pub.publish(adapter(1), version=1).settled()
     engine.start("p@v1")
     with pytest.warns(RetentionWarning, match="drain_timeout"):
-        report = pub.publish(adapter(2), version=2)
+        report = pub.publish(adapter(2), version=2).settled()
     assert report.results[0].retired == ["p@v1"]
 
 
 def test_capacity_never_evicts_a_running_version_and_refuses_before_unloading(tmp_path):
     engine = MemoryEngine(max_loras=1)
     pub = Publisher([engine], name="p", keep=1, root=tmp_path)
-    pub.publish(adapter(1), version=1)
+    pub.publish(adapter(1), version=1).settled()
     with engine.request("p@v1"):
-        report = pub.publish(adapter(2), version=2)
+        report = pub.publish(adapter(2), version=2).settled()
         result = report.results[0]
         assert isinstance(result.error, CapacityError)
         assert result.retired == [] and engine.list_adapters() == ["p@v1"]
@@ -133,17 +133,17 @@ def test_capacity_never_evicts_a_running_version_and_refuses_before_unloading(tm
         assert "lower keep" not in message  # impossible with keep=1: say what can be done
         assert "more adapter slots" in message and "transport='merged'" in message
     # Once the request finished, the same publish goes through and reports what it unloaded.
-    report = pub.publish(adapter(2), version=2)
+    report = pub.publish(adapter(2), version=2).settled()
     assert report.ok and report.results[0].retired == ["p@v1"] and engine.list_adapters() == ["p@v2"]
 
 
 def test_close_retires_what_drained_and_keeps_what_still_runs(tmp_path):
     engine = ReloadingEngine()
     pub = Publisher([engine], name="p", keep=1, root=tmp_path, grace=0.0)
-    pub.publish(adapter(1), version=1)
-    pub.publish(adapter(2), version=2)
+    pub.publish(adapter(1), version=1).settled()
+    pub.publish(adapter(2), version=2).settled()
     engine.start("p@v2")
-    pub.publish(adapter(3), version=3)
+    pub.publish(adapter(3), version=3).settled()
     pub.close()
     assert sorted(engine.list_adapters()) == ["p@v2", "p@v3"]
     assert os.path.isdir(pub.store.path_for("p", 2))
@@ -155,13 +155,13 @@ def test_two_jobs_one_root_same_name_never_touch_each_others_files(tmp_path):
     b = Publisher([b_engine], name="policy", keep=1, root=tmp_path)
     assert a.run != b.run
     for v in range(1, 5):
-        assert a.publish(adapter(v), version=v).ok
-        assert b.publish(adapter(100 + v), version=v).ok  # same versions, other content: no collision
+        assert a.publish(adapter(v), version=v).settled().ok
+        assert b.publish(adapter(100 + v), version=v).settled().ok  # same versions, other content: no collision
         b_engine.start(f"policy@v{v}")
         b_engine.step()
     a.close()
     for v in range(5, 7):
-        assert b.publish(adapter(100 + v), version=v).ok
+        assert b.publish(adapter(100 + v), version=v).settled().ok
         b_engine.step()
     # Every version b's engine still has requests on kept its files, and a's last one is intact.
     assert b_engine.violations == []
@@ -211,7 +211,7 @@ def test_a_publisher_started_after_another_was_killed_publishes_from_version_0(t
             engine = MemoryEngine()
             pub = Publisher([engine], name="policy", keep=2, root=root)
             for v in range(3):
-                pub.publish(adapter(v), version=v)
+                pub.publish(adapter(v), version=v).settled()
             os.kill(os.getpid(), signal.SIGKILL)
         finally:
             os._exit(1)
@@ -222,7 +222,7 @@ def test_a_publisher_started_after_another_was_killed_publishes_from_version_0(t
     engine = MemoryEngine()
     pub = Publisher([engine], name="policy", keep=2, root=root)
     for v in range(3):
-        report = pub.publish(adapter(50 + v), version=v)
+        report = pub.publish(adapter(50 + v), version=v).settled()
         assert report.ok, report
     assert sorted(engine.list_adapters()) == ["policy@v1", "policy@v2"]
     # The dead job's versions were swept (its engine died with it); its run directory is gone.

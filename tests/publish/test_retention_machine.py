@@ -56,7 +56,7 @@ class RetentionMachine(RuleBasedStateMachine):
         self.version += 1
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", RetentionWarning)
-            report = self.pub.publish(_adapter(seed), version=self.version)
+            report = self.pub.publish(_adapter(seed), version=self.version).settled()  # its retirement warns here too
         assert report.ok, report
         # Past max_deferred the oldest waiting version is unloaded anyway, with a typed warning:
         # its requests keep decoding from its files, which must still be there.

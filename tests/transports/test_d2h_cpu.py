@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load, load_file, save
 
 from lorasync.engines.vllm_worker import CONFIG_KEY, LoraSyncWorkerExtension
-from lorasync.wire.cuda_ipc import SPEC_VERSION, CudaIpcUnavailable, export_tensors, import_tensors, parse_spec
+from lorasync.wire.cuda_ipc import SPEC_VERSION, CudaIpcUnavailableError, share_tensors, import_tensors, parse_spec
 from lorasync.wire.d2h import serialize
 from lorasync.wire.layout import plan as layout
 from lorasync.wire.views import plan_views, views
@@ -182,12 +182,12 @@ def test_spec_rejects_bad_fields(path, value) -> None:
 
 def test_export_needs_cuda_tensors() -> None:
     with pytest.raises(ValueError, match="CUDA"):
-        export_tensors({"x": torch.zeros(2)})
+        share_tensors({"x": torch.zeros(2)})
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU answer")
 def test_worker_without_cuda_declines_so_the_client_falls_back() -> None:
-    with pytest.raises(CudaIpcUnavailable):
+    with pytest.raises(CudaIpcUnavailableError):
         import_tensors(_spec())
     worker = types.SimpleNamespace()  # no LoRA manager is touched when declining
     answer = LoraSyncWorkerExtension.lorasync_stage_adapter_cuda(worker, json.dumps({"token": "t", **_spec()}))  # type: ignore[arg-type]

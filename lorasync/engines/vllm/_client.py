@@ -459,9 +459,9 @@ class VLLMEngine(HTTPEngine):
     def _stage_cuda(self, name: str, token: str, adapter: Adapter, config: str) -> Operation[bool]:
         """Hand the adapter's GPU tensors to every worker through CUDA IPC; False when some
         worker cannot map them (no CUDA, another GPU set), after undoing any partial staging."""
-        from lorasync.wire.cuda_ipc import export_tensors
+        from lorasync.wire.cuda_ipc import share_tensors
 
-        shared = export_tensors(adapter.tensors, {CONFIG_KEY: config})
+        shared = share_tensors(adapter.tensors, {CONFIG_KEY: config})
         try:
             spec = CudaStage(token=token, ipc=shared.spec).to_json()
             results = yield from self._rpc("lorasync_stage_adapter_cuda", spec, adapter=name)

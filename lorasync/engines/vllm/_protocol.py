@@ -139,7 +139,7 @@ class CudaStage:
 
     Args:
         token (`str`): the adapter's staging token.
-        ipc (`Mapping`): ``CudaExport.spec`` (versioned and validated by
+        ipc (`Mapping`): ``CudaShare.spec`` (versioned and validated by
             ``lorasync.wire.cuda_ipc``, which the worker calls to map it).
     """
 

@@ -47,6 +47,12 @@ if TYPE_CHECKING:
 __all__ = ["VLLMInProcessEngine"]
 
 
+#: LoRA ids of every in-process engine object of this process. vLLM's ``add_lora`` silently keeps
+#: the adapter already registered under an id, so a second wrapper of the same LLM counting from 1
+#: would serve the first wrapper's weights under its own name. Ids start high, clear of the small
+#: ids users give their own ``LoRARequest``s.
+_LORA_IDS = itertools.count(1 << 20)
+
 class VLLMInProcessEngine(StepDriver, Engine):
     """Load, unload, list and verify LoRA adapters of a ``vllm.LLM`` or ``AsyncLLM`` in this process.
 
@@ -91,7 +97,7 @@ class VLLMInProcessEngine(StepDriver, Engine):
         self.url = f"in-process {type(llm).__name__}"
         self._served: dict[str, Any] = {}  # name -> LoRARequest
         self._tokens: dict[str, str] = {}  # name -> token of tensors staged in the workers
-        self._ids = itertools.count(1)
+        self._ids = _LORA_IDS  # shared: two engine objects over one LLM must never reuse an id
         self._lock = threading.Lock()
 
     # -- what users call besides the Engine protocol ----------------------------------------------
