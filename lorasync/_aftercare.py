@@ -27,7 +27,11 @@ from lorasync.engines._engine import Engine
 from lorasync.errors import EngineError, LoraSyncError
 from lorasync.transports._transport import Transport
 
-__all__ = ["Aftercare"]
+__all__ = ["SETTLE_WAIT_S", "Aftercare"]
+
+#: How long a publish waits for the previous one's background phase before cancelling it and
+#: redoing the retirement itself (a stuck engine call must not hold every later publish).
+SETTLE_WAIT_S = 5.0
 
 
 class Aftercare:
@@ -101,9 +105,10 @@ class Aftercare:
         timings["gc"] = time.perf_counter() - t0
 
     async def previous_settled(self) -> None:
-        """Wait for the last publish's background phase; redo it here if its loop dropped it
-        (``asyncio.run`` per step cancels it on the way out)."""
-        if not await self.background.wait():
+        """Wait for the last publish's background phase; redo it here if it did not finish: its
+        loop dropped it (``asyncio.run`` per step cancels it on the way out), or it was stuck
+        past ``SETTLE_WAIT_S`` and was cancelled."""
+        if not await self.background.wait(timeout=SETTLE_WAIT_S):
             for ledger in self._ledgers.values():  # stopped half-way: ask the engines again
                 ledger.synced = False
             await self.retire_all(resync=True)

@@ -107,37 +107,35 @@ class Background:
         self._task, self.done = task, done
         return done
 
-    async def wait(self) -> bool:
+    async def wait(self, timeout: float | None = None) -> bool:
         """Wait for the coroutine started last; whether it finished (not cancelled or abandoned).
 
+        Past ``timeout`` seconds it is cancelled (it must be cancellation-safe) and False returned:
+        the caller redoes its work, so one stuck engine call never blocks every later publish.
         A cancellation of the waiter leaves the coroutine running (and still awaited next time).
         """
-        task = self._task
-        if task is None:
+        task, done = self._task, self.done
+        if task is None or done is None:
             return True
         loop = task.get_loop()
-        if loop is asyncio.get_running_loop():
-            if not task.done():
-                try:
-                    await asyncio.shield(task)
-                except asyncio.CancelledError:
-                    if not task.cancelled():
-                        raise  # the waiter was cancelled, not the task: it stays awaited next time
-                except Exception:  # noqa: S110 - reported through the task's result below
-                    pass
-        elif task.done():
-            pass
-        elif loop.is_closed() or not loop.is_running():
-            # Its loop stopped: it would never finish here. Cancel it, so that should that loop
-            # ever run again it unwinds instead of acting on state that moved on.
-            with contextlib.suppress(RuntimeError):
-                task.cancel()
-            self._task = self.done = None
-            return False
-        else:
-            await asyncio.wrap_future(self.done)  # type: ignore[arg-type]
+        if not task.done():
+            if loop is not asyncio.get_running_loop() and (loop.is_closed() or not loop.is_running()):
+                # Its loop stopped: it would never finish here. Cancel it, so that should that
+                # loop ever run again it unwinds instead of acting on state that moved on.
+                with contextlib.suppress(RuntimeError):
+                    task.cancel()
+                self._task = self.done = None
+                return False
+            # Shielded: a cancellation of the waiter must not cancel the work (nor its future).
+            ended = asyncio.shield(asyncio.wrap_future(done))
+            try:
+                await asyncio.wait_for(ended, timeout)
+            except asyncio.TimeoutError:
+                with contextlib.suppress(RuntimeError):
+                    loop.call_soon_threadsafe(task.cancel)
+                await asyncio.wait({asyncio.wrap_future(done)}, timeout=timeout)  # let it unwind (bounded)
         self._task = self.done = None
-        return not task.cancelled() and task.exception() is None
+        return task.done() and not task.cancelled() and task.exception() is None
 
 
 def wait_done(done: concurrent.futures.Future[None] | None, loop: asyncio.AbstractEventLoop | None, timeout: float | None) -> None:

@@ -121,3 +121,32 @@ def test_settled_inside_the_loop_that_runs_it_says_what_to_do(tmp_path):
         return message
 
     assert "await report.asettled()" in asyncio.run(steps())
+
+
+def test_a_stuck_retirement_never_holds_the_next_publish(tmp_path, monkeypatch):
+    import lorasync._aftercare as aftercare
+
+    monkeypatch.setattr(aftercare, "SETTLE_WAIT_S", 0.3)
+    release = threading.Event()
+
+    class StuckOnce(MemoryEngine):
+        stuck = True
+
+        def unload_adapter(self, name):
+            if self.stuck:
+                self.stuck = False
+                release.wait(30)  # an unload call that does not come back
+            super().unload_adapter(name)
+
+    engine = StuckOnce()
+    pub = Publisher([engine], name="p", keep=1, root=tmp_path, grace=0.0)
+    pub.publish(adapter(1), version=1)
+    pub.publish(adapter(2), version=2)  # its retirement of v1 hangs in the background
+    start = time.monotonic()
+    report = pub.publish(adapter(3), version=3).settled()
+    assert time.monotonic() - start < 5
+    assert report.ok and "p@v3" in engine.list_adapters()
+    release.set()
+    pub.collect()
+    assert engine.list_adapters() == ["p@v3"]
+    pub.close()
