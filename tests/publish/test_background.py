@@ -6,21 +6,12 @@ import asyncio
 import threading
 import time
 
-import torch
-
-from lorasync import Adapter, AdapterConfig, Publisher, Retention
+from lorasync import Publisher, Retention
 from lorasync.testing import MemoryEngine
+from tests.support.adapters import tiny_adapter
 
-M = "model.layers.0.self_attn.q_proj"
 UNLOAD_S = 0.4
-
-
-def adapter(seed: int) -> Adapter:
-    g = torch.Generator().manual_seed(seed)
-    return Adapter(
-        {f"base_model.model.{M}.lora_A.weight": torch.randn(4, 32, generator=g), f"base_model.model.{M}.lora_B.weight": torch.randn(32, 4, generator=g)},
-        AdapterConfig(r=4, lora_alpha=8),
-    )
+adapter = tiny_adapter
 
 
 class SlowUnload(MemoryEngine):

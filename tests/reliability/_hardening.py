@@ -63,7 +63,7 @@ def run_foreign_names() -> dict[str, Any]:
             engine.load_adapter(foreign, source)
             pub = Publisher([engine], name=name, keep=1, transport="disk", root=root / f"store{i}")
             for version in (5, 8):
-                report = pub.publish(tiny_adapter(version), version=version)
+                report = pub.publish(tiny_adapter(version), version=version).settled()
                 result = report.results[0]
                 if not report.ok or result.status != "loaded":
                     problems.append(f"v{version}: {result.status} {result.error!r:.160}")

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from lorasync import Adapter, AdapterConfig, BaseWeights, Publisher, RetryPolicy
+from lorasync import Adapter, BaseWeights, Publisher, RetryPolicy
 from lorasync._names import parse_served_name
 from lorasync.errors import (
     AdapterRejectedError,
@@ -37,17 +37,7 @@ RETRY = RetryPolicy(attempts=ATTEMPTS, backoff=0.005, backoff_max=0.02, jitter=0
 TIMEOUT = 0.4  # seconds per request in hang cases; a hung request costs ATTEMPTS * TIMEOUT
 PATIENT = 5.0  # every other case: a busy CI box must never turn a slow answer into a "fault"
 # q with v: SGLang packs q/k/v and refuses q_proj alone (lorasync.engines.sglang.rules).
-MODULES = ("model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.v_proj", "model.layers.0.mlp.down_proj")
-
-
-def tiny_adapter(seed: int, *, r: int = 4, width: int = 16) -> Adapter:
-    """A small adapter whose content depends on ``seed`` (distinct hash per seed)."""
-    gen = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for module in MODULES:
-        tensors[f"base_model.model.{module}.lora_A.weight"] = torch.randn(r, width, generator=gen)
-        tensors[f"base_model.model.{module}.lora_B.weight"] = torch.randn(width, r, generator=gen)
-    return Adapter(tensors, AdapterConfig(r=r, lora_alpha=2.0 * r))
+from tests.support.adapters import MODULES, tiny_adapter  # noqa: F401 - re-exported for the scenarios
 
 
 def client(protocol: str, url: str, **kwargs: Any) -> Any:

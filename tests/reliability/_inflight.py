@@ -99,7 +99,7 @@ def run_vllm_inflight(model_dir: Path, python: Path, work: Path) -> dict[str, An
         if not _poll(lambda: "policy@v1" in (engine.adapters_in_use() or ())):
             violations.append("the engine never reported the v1 requests in flight")
         mark("v1 requests decoding")
-        report2 = pub.publish(export(models[2]), version=2)
+        report2 = pub.publish(export(models[2]), version=2).settled()  # its retirement decided
         mark(f"v2 published: retired={report2.results[0].retired} deferred={report2.results[0].deferred}")
         if not report2.ok or report2.results[0].deferred != ["policy@v1"]:
             violations.append(f"v2 publish: expected v1 deferred, got {report2}")
@@ -109,7 +109,7 @@ def run_vllm_inflight(model_dir: Path, python: Path, work: Path) -> dict[str, An
         threads.append(late)
         # (With one slot the v2 request waits until the v1 requests are done.)
         v1_running = any(t.is_alive() for t in threads[:V1_REQUESTS])
-        report3 = pub.publish(export(models[3]), version=3)
+        report3 = pub.publish(export(models[3]), version=3).settled()
         mark(f"v3 published (v1 requests running: {v1_running}): retired={report3.results[0].retired} deferred={report3.results[0].deferred}")
         if not report3.ok or (v1_running and "policy@v1" in report3.results[0].retired):
             violations.append(f"v3 publish retired v1 under its requests: {report3}")

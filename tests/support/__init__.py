@@ -9,6 +9,6 @@ on ``sys.path``).
 """
 
 from lorasync.testing.vllm_server import free_port
-from support.ranks import run_distributed, spawn_ranks
+from .ranks import run_distributed, spawn_ranks
 
 __all__ = ["free_port", "run_distributed", "spawn_ranks"]
