@@ -147,7 +147,7 @@ class DiskStore:
                     f"run {self.run!r} of {name!r} under {self.root} is in use by another publisher of this process; "
                     "give each publisher its own run= (or leave run= unset for a fresh one)"
                 )
-            if run_dir not in _OWNED:
+            while run_dir not in _OWNED:
                 try:
                     run_dir.mkdir(parents=True, exist_ok=True)
                     handle = open(run_dir / OWNER_LOCK, "ab")  # noqa: SIM115 - held until the process exits
@@ -156,7 +156,9 @@ class DiskStore:
                         f"cannot create run directory {run_dir}: {exc}; check the store root's permissions and free space", adapter=name
                     ) from exc
                 try:
-                    fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    if not _flock_patiently(handle, run_dir / OWNER_LOCK):
+                        handle.close()  # a sweep took the empty new run away before we locked it
+                        continue
                 except BlockingIOError:
                     handle.close()
                     raise ConfigError(
@@ -210,9 +212,10 @@ class DiskStore:
             if run == self.run:
                 continue
             run_dir = self.root / name / run
-            if run_dir in _OWNED:
-                continue  # this process's own earlier run: its in-process engines may still serve it
-            attempt = try_lock(run_dir / OWNER_LOCK)
+            with _GUARD:  # against this process's stores taking a run right now
+                if run_dir in _OWNED:
+                    continue  # this process's own earlier run: its in-process engines may still serve it
+                attempt = try_lock(run_dir / OWNER_LOCK)
             if attempt is None:
                 continue  # a live owner
             try:
@@ -359,6 +362,23 @@ def _versions_in(run_dir: Path) -> list[int]:
         if entry.name.startswith("v") and entry.name[1:].isdigit() and (entry / META).is_file():
             found.append(int(entry.name[1:]))
     return sorted(found)
+
+
+def _flock_patiently(handle: IO[bytes], path: Path, *, tries: int = 40, pause: float = 0.025) -> bool:
+    """Lock ``path`` (a sweep testing for a dead run holds it a moment: retried ~1 s, then
+    BlockingIOError); False when a sweep removed the file meanwhile (open it again)."""
+    for attempt in range(tries):
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if attempt == tries - 1:
+                raise
+            time.sleep(pause)
+    try:
+        return os.stat(path).st_ino == os.fstat(handle.fileno()).st_ino
+    except FileNotFoundError:
+        return False
 
 
 def _recorded_hash(path: Path) -> str | None:

@@ -74,3 +74,24 @@ def test_write_failure_leaves_no_visible_version(tmp_path, monkeypatch):
     assert not store.path_for("p", 1).exists()
     # Nothing half-written is left behind either (a full disk must not fill up with temp dirs).
     assert [e.name for e in store.run_dir("p").iterdir() if e.name.startswith(".tmp-")] == []
+
+
+def test_a_sweep_probing_a_new_run_never_makes_its_owner_fail(tmp_path):
+    """Another job's orphan sweep holds a run's lock for a moment to test whether it is dead; the
+    run's owner taking its lock right then waits for it instead of failing."""
+    import fcntl
+    import threading
+    import time
+
+    from lorasync.transports._store import OWNER_LOCK
+
+    store = DiskStore(tmp_path, run="fresh")
+    run_dir = store.run_dir("p")
+    run_dir.mkdir(parents=True)
+    probe = open(run_dir / OWNER_LOCK, "ab")
+    fcntl.flock(probe.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    threading.Timer(0.2, probe.close).start()  # the sweep lets go
+    start = time.monotonic()
+    assert store.own("p") == run_dir
+    assert time.monotonic() - start >= 0.15
+    store.close()
