@@ -311,18 +311,15 @@ class DiskStore:
         return final, written, digest
 
     def record(self, name: str, version: int, *, holders: Iterable[str], unloaded_at: float | None = None) -> None:
-        """Record which engines hold a version of this run, and when the last one let it go.
-
-        The record lets another job's orphan sweep (after this process is gone) keep files an
-        engine may still reload, and a later publisher of this process keep a just-unloaded
-        version's files through the grace period. Best effort: a failure to write it is ignored
-        (the version then counts as held by nobody known).
-        """
+        """Record which engines hold a version of this run, and when the last one let it go (so
+        a sweep keeps files an engine may reload, and a later publisher keeps them through the
+        grace). Best effort: a failed write is ignored (then nobody known holds the version)."""
         path = self.path_for(name, version)
         if not path.is_dir():
             return
         try:
-            tmp = path / f"{HOLDERS}.{secrets.token_hex(4)}"
+            # A hidden temp of the run (its next owner removes it), not a stray file in the version.
+            tmp = path.parent / f".tmp-holders-{version}-{secrets.token_hex(4)}"
             tmp.write_text(json.dumps({"holders": sorted(set(holders)), "unloaded_at": unloaded_at}))
             os.replace(tmp, path / HOLDERS)
         except OSError:
@@ -396,4 +393,7 @@ def _remove_hidden(run_dir: Path) -> None:
         return
     for entry in entries:
         if entry.name.startswith(_HIDDEN):
-            shutil.rmtree(entry, ignore_errors=True)
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)

@@ -188,13 +188,13 @@ def run_fault_case(case: FaultCase, root: Path) -> FaultOutcome:
 async def _fault_case(case: FaultCase, root: Path, server: FaultServer) -> FaultOutcome:
     timeout = TIMEOUT if case.fault == "hang" else PATIENT
     pub = Publisher([client(case.protocol, server.url, timeout=timeout)], name="p", keep=1, transport="disk", root=root)
-    first = await pub.apublish(tiny_adapter(1), version=1)
+    first = await (await pub.apublish(tiny_adapter(1), version=1)).asettled()
     violations = [] if first.ok else [f"setup publish failed: {first}"]
     if case.phase == "caps":  # a new publisher (a restarted trainer) probes the engine again
         pub = Publisher([client(case.protocol, server.url, timeout=timeout)], name="p", keep=1, transport="disk", root=root)
     server.reset_counts()
     server.arm(case.fault, case.phase, times=case.times, landed=case.landed)
-    report = await pub.apublish(tiny_adapter(2), version=2)
+    report = await (await pub.apublish(tiny_adapter(2), version=2)).asettled()  # its retirement hits the fault too
     requests = server.requests("load" if case.phase == "all" else case.phase)
     server.disarm()
     served = server.versions("p")
@@ -206,7 +206,7 @@ async def _fault_case(case: FaultCase, root: Path, server: FaultServer) -> Fault
         violations.append(f"failed publish lost the previous version: engine serves {served}")
     if result.status == "failed" and not isinstance(result.error, LoraSyncError):
         violations.append(f"untyped error {result.error!r}")
-    recovery = await pub.apublish(tiny_adapter(3), version=3)
+    recovery = await (await pub.apublish(tiny_adapter(3), version=3)).asettled()
     recovered = recovery.ok and server.versions("p") == [3]
     if not recovered:
         violations.append(f"no recovery: {recovery}; engine serves {server.versions('p')}")
@@ -328,18 +328,18 @@ def run_inprocess_matrix() -> dict[str, Any]:
                     kwargs: dict[str, Any] = {"base": base, "bucket_bytes": 1100} if transport == "merged" else {}
                     pub = Publisher([engine], name="p", keep=1, transport=transport, root=Path(tmp) / label, **kwargs)
                     problems = []
-                    if not pub.publish(ads[1], version=1).ok:
+                    if not pub.publish(ads[1], version=1).settled().ok:
                         problems.append("setup publish failed")
                     name, _, nth = op.partition("#")
                     engine.fail_at(name, int(nth or 1), make())
-                    result = pub.publish(ads[2], version=2).results[0]
+                    result = pub.publish(ads[2], version=2).settled().results[0]
                     if result.status != "failed" or not isinstance(result.error, LoraSyncError):
                         problems.append(f"expected a typed failure, got {result.status} {result.error!r}")
                     if not _serves(engine, transport, base, ads[1], 1):
                         problems.append("the previous version no longer serves exactly")
                     if transport != "merged" and "p@v2" in engine.adapters and name not in ("list_adapters", "unload_adapter"):
                         problems.append("the failed version serves")  # (a failure after the load may leave it loaded)
-                    if not pub.publish(ads[3], version=3).ok or not _serves(engine, transport, base, ads[3], 3):
+                    if not pub.publish(ads[3], version=3).settled().ok or not _serves(engine, transport, base, ads[3], 3):
                         problems.append("no recovery")
                     outcomes.append((label, result.status, type(result.error).__name__))
                     violations += [f"{label}: {p}" for p in problems]
@@ -540,7 +540,7 @@ def run_crash_soak(kills: int = 40, *, seed: int = 0, max_wait: float = 0.25) ->
             version = first + 9_999
             report = Publisher([client("vllm", server.url, timeout=5.0)], name=name, keep=2, transport="disk", root=root).publish(
                 tiny_adapter(version), version=version
-            )
+            ).settled()
             parent_ok += report.ok
             if not report.ok:
                 violations.append(f"kill {k}: publish after the crash failed: {report}")
