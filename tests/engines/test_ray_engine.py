@@ -71,7 +71,7 @@ def test_publish_verify_retire_through_the_object_store(engine: RayEngine, tmp_p
     with Publisher(engine, name="policy", keep=2, root=tmp_path / "store") as publisher:
         for version, model in enumerate(models, start=1):
             probe = Probe.from_model(model, PROMPT, max_tokens=6)
-            report = publisher.publish(export(model), version=version, verify=probe).raise_for_errors()
+            report = publisher.publish(export(model), version=version, verify=probe).settled().raise_for_errors()
             (result,) = report.results
             assert (result.status, result.transport) == ("loaded", "ipc")
             assert "verified through the engine" in result.reason
@@ -121,7 +121,7 @@ def test_actor_restart_forgets_adapters_and_publishing_resumes(host: Any, engine
                 answers.append(type(exc).__name__)
             time.sleep(0.2)
         probe = Probe.from_model(models[1], PROMPT, max_tokens=6)
-        report = publisher.publish(export(models[1]), version=2, verify=probe).raise_for_errors()
+        report = publisher.publish(export(models[1]), version=2, verify=probe).settled().raise_for_errors()
         assert report.results[0].status == "loaded"
         assert engine.list_adapters() == ["restart@v2"]
     engine.unload_adapter("restart@v2")

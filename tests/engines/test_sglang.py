@@ -489,7 +489,7 @@ def test_publisher_serves_trained_weights_on_sglang(transport: str, engine: SGLa
     for version, seed in ((1, 61), (2, 62)):
         model = make_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), seed=seed, targets=("q_proj", "k_proj", "v_proj", "o_proj"))
         probe = Probe.from_model(model, [5, 17, 99, 230], max_tokens=4, atol=1e-3)
-        report = pub.publish(export(model), version=version, verify=probe)
+        report = pub.publish(export(model), version=version, verify=probe).settled()
         assert report.ok, report
         assert report.results[0].transport == transport
         outputs.append(engine.greedy(report.served_name, [5, 17, 99, 230], 4)[0])

@@ -27,8 +27,9 @@ def _greedy(model: Any, prompt: list[int], n: int) -> list[int]:
 
 
 def _served_lora(engine: Any, served: str) -> dict[str, torch.Tensor]:
-    slot = engine._slots[served]
-    return {n.replace(f".{slot}.", "."): p.detach().clone() for n, p in engine.model.named_parameters() if f".{slot}." in n}
+    with engine._lock:  # the engine's internals, read as its own methods do (retirement may run now)
+        slot = engine._slots[served]
+        return {n.replace(f".{slot}.", "."): p.detach().clone() for n, p in engine.model.named_parameters() if f".{slot}." in n}
 
 
 def run_stale_unchanged(base_dir: Path | None = None, *, steps: int = 3) -> dict[str, Any]:
