@@ -53,6 +53,11 @@ class EngineHandle:
         return bool(self._caps is not None and (self._caps.reloads_from_path or self._caps.unload_drains))
 
     @property
+    def concurrent(self) -> bool:
+        """lorasync may call the engine while its caller does (see ``Capabilities.concurrent_calls``)."""
+        return self._caps is None or self._caps.concurrent_calls
+
+    @property
     def drains(self) -> bool:
         return bool(self._caps is not None and self._caps.unload_drains)
 

@@ -203,7 +203,7 @@ class Publisher:
             # The new version serves: what is left (re-listing, retirement, file collection) runs
             # after this call returns, and the next publish waits for it before touching anything.
             after = self._care.after(done, version, timings)
-            if self.retention.background:
+            if self.retention.background and all(h.concurrent for h in self._handles.values()):
                 report._after = (self._care.background.start(after), asyncio.get_running_loop())
             else:
                 await after

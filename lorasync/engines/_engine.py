@@ -57,6 +57,10 @@ class Capabilities:
     # Its unload waits for the requests running on that adapter (SGLang 0.5.23): an engine that
     # cannot report requests in flight needs no grace period then.
     unload_drains: bool = False
+    # May be called from lorasync's thread while the caller uses the engine itself (False: an
+    # in-process engine the caller drives directly, like a sync vllm.LLM, whose calls must never
+    # overlap): then a publish retires old versions before it returns, not in the background.
+    concurrent_calls: bool = True
     fused_modules: tuple[tuple[str, ...], ...] = ()  # leaf groups stored as one weight (merged updates send whole groups)
     notes: tuple[str, ...] = field(default=())
 

@@ -141,3 +141,21 @@ def test_a_stuck_retirement_never_holds_the_next_publish(tmp_path, monkeypatch):
     pub.collect()
     assert engine.list_adapters() == ["p@v3"]
     pub.close()
+
+
+def test_an_engine_the_caller_drives_itself_retires_before_publish_returns(tmp_path):
+    # A sync vllm.LLM in the trainer's process: lorasync must never call it while the caller does.
+    import dataclasses
+
+    class Exclusive(SlowUnload):
+        def capabilities(self):
+            return dataclasses.replace(super().capabilities(), concurrent_calls=False)
+
+    engine = Exclusive()
+    pub = Publisher([engine], name="p", keep=1, root=tmp_path, grace=0.0)
+    pub.publish(adapter(1), version=1)
+    start = time.monotonic()
+    report = pub.publish(adapter(2), version=2)
+    assert time.monotonic() - start >= UNLOAD_S  # unloaded before returning
+    assert report.results[0].retired == ["p@v1"] and engine.list_adapters() == ["p@v2"]
+    pub.close()

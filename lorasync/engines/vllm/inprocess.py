@@ -250,6 +250,10 @@ class VLLMInProcessEngine(StepDriver, Engine):
             tensor_load=extension,
             same_host=True,
             in_process=True,
+            # The caller's own llm.generate and lorasync's add/remove_lora share one engine-core
+            # socket that must not be used from two threads at once; AsyncLLM calls are
+            # serialised on its loop.
+            concurrent_calls=self.is_async,
             fused_modules=FUSED_MODULES,
             notes=tuple(notes),
         )
