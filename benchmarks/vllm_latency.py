@@ -120,7 +120,7 @@ def _run(opts: Options, tmp: Path, python: Path, repeats: int, warmup: int, titl
         if not all(data[mode]["served_new"]):
             report.notes.append(f"{mode}: some first completions did not match the trainer's token (see JSON): the engine served stale or wrong weights then.")
     report.notes += [
-        f"Server start-up {startup:.0f} s (not counted). 'publish call' is Publisher.publish (keep=2: includes unloading the version two steps back) or, for unload-then-load, Adapter.save + unload + load of one fixed name.",
+        f"Server start-up {startup:.0f} s (not counted). 'publish call' is Publisher.publish (keep=2; it returns once the new version serves: unloading the version two steps back follows in the background, awaited by the next publish) or, for unload-then-load, Adapter.save + unload + load of one fixed name.",
         "Two trained adapters alternate (different seeds), so each version changes the served token; the check compares with the trainer's own greedy token.",
         f"Prompt {prompt}; one generated token (max_tokens=1, temperature 0).",
     ]
