@@ -569,9 +569,10 @@ def test_publisher_keeps_a_held_version_serving_until_its_request_finished(
     peer: Peer, adapters: dict[str, Path], tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     """Through the publisher, keep=1: a request held on v1 keeps decoding while v2 and v3 are
-    published. SGLang cannot report it, but its unload waits for it: v2 serves at once, the
-    publish of v2 returns once v1's request finished (with exactly the undisturbed tokens), v1's
-    files are still there for SGLang's implicit reload, and v3 then publishes normally."""
+    published. SGLang cannot report it, but its unload waits for it: v2 serves at once and the
+    publish of v2 returns then (the retirement of v1 runs after it), the report settles once v1's
+    request finished (with exactly the undisturbed tokens), v1's files are still there for
+    SGLang's implicit reload, and v3 then publishes normally."""
     from lorasync import Publisher
 
     expected = _reference(tiny_model_dir, adapters["qkvo"], steps=6)[0]
@@ -587,15 +588,18 @@ def test_publisher_keeps_a_held_version_serving_until_its_request_finished(
             peer.wait_for(lambda s: any(r["held"] for r in s["requests"]))
             publish2 = pool.submit(pub.publish, Adapter.load(adapters["qv"]), version=2)
             peer.wait_for(lambda s: s["unloading"] == ["pol@v1"] and "pol@v2" in s["registered"])
+            report2 = publish2.result(timeout=60)  # v2 serves: the publish does not wait for v1's drain
+            assert report2.ok and report2.served_name == "pol@v2", report2
+            settling = pool.submit(report2.settled)
             time.sleep(0.5)
-            assert not long.done() and not publish2.done()  # v1's request still decodes
+            assert not long.done() and not settling.done()  # v1's request still decodes; its unload waits
             assert (v1_dir / "adapter_model.safetensors").is_file()
             peer.release("pol@v1")
             assert list(long.result(timeout=120).output_ids) == expected
-            report2 = publish2.result(timeout=120)
+            settling.result(timeout=120)
         assert report2.ok and report2.results[0].retired == ["pol@v1"], report2
         assert (v1_dir / "adapter_model.safetensors").is_file()  # outlives the unload by the grace
-        report3 = pub.publish(Adapter.load(adapters["qkvo"]), version=3)  # other content than v2 (qv)
+        report3 = pub.publish(Adapter.load(adapters["qkvo"]), version=3).settled()  # other content than v2 (qv)
         assert report3.ok and engine.list_adapters() == ["pol@v3"], report3
         assert list(engine.generate(PROMPT, lora_name="pol@v3", max_new_tokens=6).output_ids) == expected
     finally:
