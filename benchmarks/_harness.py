@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Case", "Goal", "Options", "Report", "Table", "Timing", "fmt_bytes", "fmt_ms", "machine_info", "progress", "ranks_or", "timeit", "timeit_many"]
+__all__ = ["Case", "Goal", "Options", "Report", "Table", "Timing", "fmt_bytes", "fmt_ms", "machine_info", "progress", "ranks_or", "say", "timeit", "timeit_many"]
 
 
 @dataclass
@@ -37,6 +37,7 @@ class Options:
     progress: bool = True
     inprocess: bool = True  # vllm: the in-process engine's rows (also off with LORASYNC_BENCH_INPROCESS=0)
     plot: bool = True
+    against: str | None = None  # regression: the earlier revision (default: run D)
 
     def reps(self, full: int, quick: int) -> int:
         return self.repeats if self.repeats is not None else (quick if self.quick else full)
@@ -122,6 +123,12 @@ def timeit_many(cases: dict[str, Case], *, repeats: int, warmup: int = 1, label:
             if i >= warmup:
                 samples[name].append(elapsed)
     return {name: Timing(s) for name, s in samples.items()}
+
+
+def say(text: str, *, show: bool = True) -> None:
+    """One status line on stderr, for the waits no progress bar covers (an engine starting)."""
+    if show:
+        print(f"[bench {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
 
 
 def progress(iterable: Any, *, desc: str = "", show: bool = True, total: int | None = None) -> Any:

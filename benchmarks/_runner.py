@@ -17,6 +17,8 @@ MODULES = {
     "vllm": "benchmarks.vllm_latency",
     "fanout": "benchmarks.fanout",
     "fold": "benchmarks.fold_memory",
+    "fleet": "benchmarks.fleet",
+    "regression": "benchmarks.regression",
 }
 
 

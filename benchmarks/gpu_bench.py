@@ -6,10 +6,15 @@ Measures, on whatever CUDA device is present (written for the H200):
 * export of a Qwen3-8B r16 all-linear bf16 adapter (36 layers x 7 modules, 504 tensors,
   ~87 MB) to host memory: per-tensor ``.cpu()`` against ``lorasync.wire.d2h``;
 * CUDA IPC handoff of the same adapter to a second process (export, map, copy, confirm, free);
-* the merged fold W0 + s*B*A over Qwen3-8B's linear weights, W0 on the GPU and streamed from host.
+* the merged fold W0 + s*B*A over Qwen3-8B's linear weights, W0 on the GPU and streamed from host;
+* with ``--engines``: a real vLLM on the GPU (:mod:`benchmarks.gpu_engines`): trainer weights →
+  first completion for lorasync, the peer, vLLM's bare load and the no-sync floor, and merged
+  full-weight sync against adapter sync, on the Qwen3-0.6B and Qwen3-8B shapes at r16 and r64.
 
 Usage: ``python benchmarks/gpu_bench.py [--out DIR] [--quick]``. Prints a table; writes
 ``gpu_bench.json`` (and ``gpu_bench.png`` when matplotlib is installed) into ``--out``.
+``--engines [--shapes 0.6b,8b] [--ranks 16,64]`` runs the real-engine section instead and writes
+``gpu_engines.json`` (after every part, so a killed run keeps what it measured), ``.md``, ``.png``.
 """
 
 from __future__ import annotations
@@ -470,9 +475,18 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer repeats, 8 fold layers")
     parser.add_argument("--profile", action="store_true", help="write cProfile summaries of the host work")
     parser.add_argument("--consumer", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--engines", action="store_true", help="the real-vLLM section (benchmarks/gpu_engines.py)")
+    parser.add_argument("--shapes", default="0.6b,8b", help="--engines: model shapes")
+    parser.add_argument("--ranks", default="16,64", help="--engines: LoRA ranks")
+    parser.add_argument("--repeats", type=int, default=8, help="--engines: measured rounds per rank")
+    parser.add_argument("--warmup", type=int, default=2, help="--engines: warm-up rounds per rank")
+    parser.add_argument("--merged-shapes", default="0.6b,8b", help="--engines: shapes that also time merged full-weight sync")
     args = parser.parse_args()
     if args.consumer:
         consumer_main()
+        return
+    if args.engines:
+        engines_main(args)
         return
     if not torch.cuda.is_available():
         sys.exit("gpu_bench needs a CUDA device")
@@ -488,6 +502,42 @@ def main() -> None:
         (out / "gpu_bench.json").write_text(json.dumps(results, indent=2))
     plot(results, out / "gpu_bench.png")
     print(table(results))
+
+
+def engines_main(args: argparse.Namespace) -> None:
+    """The real-vLLM section; JSON rewritten after every shape and rank."""
+    import importlib.util
+    import tempfile
+
+    import vllm
+
+    if importlib.util.find_spec("flashinfer") is None:
+        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # vLLM's sampler imports it unless told not to
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks import gpu_engines
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__, "vllm": str(vllm.__version__), "shapes": []}
+
+    def save(partial: dict) -> None:
+        shapes = [s for s in results["shapes"] if s["shape"] != partial["shape"]] + [partial]
+        results["shapes"] = shapes
+        (out / "gpu_engines.json").write_text(json.dumps(results, indent=1, default=str))
+
+    ranks = tuple(int(r) for r in args.ranks.split(","))
+    with tempfile.TemporaryDirectory(prefix="lorasync-gpu-engines-") as tmp:
+        for shape in args.shapes.split(","):
+            t0 = time.perf_counter()
+            merged_reps = (1 if shape == "8b" else 2) if shape in args.merged_shapes.split(",") else 0
+            save(gpu_engines.run_shape(shape, ranks, Path(tmp), repeats=args.repeats, warmup=args.warmup, merged_reps=merged_reps, log_dir=out, save=save))
+            print(f"[engines {shape} done in {time.perf_counter() - t0:.0f} s]", flush=True)
+            (out / "gpu_engines.md").write_text(gpu_engines.table(results))
+    gpu_engines.plot(results, out / "gpu_engines.png")
+    text = gpu_engines.table(results)
+    (out / "gpu_engines.md").write_text(text)
+    print(text)
 
 
 if __name__ == "__main__":

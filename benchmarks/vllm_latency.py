@@ -16,7 +16,8 @@ Beside the HTTP modes, in the same table, JSON and plot: the in-process engine
 (:mod:`benchmarks.vllm_inprocess`, a ``vllm.LLM`` in the engine venv; off with
 ``LORASYNC_BENCH_INPROCESS=0``).
 
-Skipped, with a message, when no vLLM engine venv is available. Run: ``lorasync bench vllm``.
+Skipped, with a message saying what to run, when the vLLM engine venv is missing or half-built
+(no ready marker; see ``lorasync.testing.venvs``). Run: ``lorasync bench vllm``.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from typing import Any
 
 import torch
 
-from benchmarks._harness import Case, Goal, Options, Report, Table, fmt_bytes, fmt_ms, progress, timeit_many
+from benchmarks._harness import Case, Goal, Options, Report, Table, fmt_bytes, fmt_ms, progress, say, timeit_many
 from benchmarks.vllm_inprocess import InProcessCase, enabled
 from benchmarks.vllm_peer import plot as plot_peer
 from benchmarks.vllm_peer import run_peer
@@ -43,12 +44,13 @@ SERVED_BASE = "tiny-base"
 
 
 def run(opts: Options) -> Report:
-    from lorasync.testing.vllm_server import vllm_python
+    from lorasync.testing.venvs import engine_venv
 
     title = "Real vLLM: publish → first completion served by the new weights; client overhead per endpoint"
-    python = vllm_python()
-    if not python.exists():
-        return Report(NAME, title, skipped=f"no vLLM engine venv at {python}; build it with scripts/engine-venv.sh or set LORASYNC_VLLM_PYTHON")
+    venv = engine_venv("vllm")  # missing or half-built (no ready marker): skipped, saying what to run
+    if not venv.ready:
+        return Report(NAME, title, skipped=venv.problem)
+    python = venv.python
     repeats, warmup = opts.reps(10, 3), opts.warm(2, 1)
     before = torch.get_num_threads()
     torch.set_num_threads(1)  # the tiny reference model is far faster on one thread of a busy box
@@ -64,6 +66,7 @@ def _run(opts: Options, tmp: Path, python: Path, repeats: int, warmup: int, titl
 
     show = opts.progress
     base_dir = tmp / "base"
+    say(f"vLLM engine venv {python}; training two tiny adapters", show=show)
     make_tiny_model(base_dir)
     trainers = _trainers(base_dir, seeds=(11, 12))
     prompt, refs = _pick_prompt(trainers)
@@ -72,6 +75,7 @@ def _run(opts: Options, tmp: Path, python: Path, repeats: int, warmup: int, titl
     inproc = InProcessCase(tmp / "inprocess", python, base_dir, trainers, prompt, refs, repeats, warmup) if enabled(opts) else None
     try:
         if inproc is not None:
+            say(f"starting an in-process vllm.LLM in the engine venv (log {inproc.log_path}; --no-inprocess skips it)", show=show)
             inproc.start()  # its LLM starts while the HTTP server does; its rounds run after
         data, overhead, startup = _http(engine_args=(base_dir, python, tmp), adapters=adapters, refs=refs, prompt=prompt, repeats=repeats, warmup=warmup, show=show, inproc=inproc)
         if inproc is not None:
@@ -141,6 +145,7 @@ def _http(engine_args: tuple[Path, Path, Path], adapters: list[Any], refs: list[
     from lorasync.testing.vllm_server import VLLMServer
 
     base_dir, python, tmp = engine_args
+    say(f"starting a vLLM CPU server on the tiny model (about a minute on a small CPU box; log {tmp / 'vllm.log'})", show=show)
     t0 = time.perf_counter()
     with VLLMServer(
         base_dir,
@@ -150,9 +155,11 @@ def _http(engine_args: tuple[Path, Path, Path], adapters: list[Any], refs: list[
         extra_args=("--worker-extension-cls", "lorasync.engines.vllm_worker.LoraSyncWorkerExtension"),
     ) as server:
         startup = time.perf_counter() - t0
+        say(f"vLLM server up after {startup:.0f} s at {server.url}; first request (it compiles)", show=show)
         engine = connect("vllm", server.url, timeout=120)
         engine.generate(prompt, model=SERVED_BASE, max_tokens=1)  # first request compiles
         if inproc is not None:
+            say("waiting for the in-process vllm.LLM to finish starting", show=show)
             inproc.wait_ready()  # idle from here on: the HTTP rounds have the box
         data = _measure_modes(("disk", "ipc", "merged", "unload-then-load"), engine, adapters, refs, prompt, tmp, base_dir, repeats, warmup, show)
         overhead = _client_overhead(engine, server.url, adapters[0], tmp / "overhead", prompt, repeats, warmup, show)

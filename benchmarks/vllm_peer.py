@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from benchmarks._harness import Goal, Options, Table, fmt_bytes, fmt_ms, progress
+from benchmarks._harness import Goal, Options, Table, fmt_bytes, fmt_ms, progress, say
 
 __all__ = ["MODELS", "run_peer"]
 
@@ -138,6 +138,7 @@ def _one_model(name: str, tmp: Path, python: Path, repeats: int, warmup: int, sh
     adapter_bytes = export(trainers[0]).nbytes
     samples = {m: {"publish": [], "first": [], "total": [], "served_new": [], "stages": []} for m in MODES}
     transports: list[str] = []
+    say(f"starting a vLLM CPU server on the {name} model for the benchmark of record (a minute or more; log {tmp / 'vllm.log'})", show=show)
     t0 = time.perf_counter()
     with VLLMServer(
         base_dir,
@@ -151,6 +152,7 @@ def _one_model(name: str, tmp: Path, python: Path, repeats: int, warmup: int, sh
         extra_args=("--worker-extension-cls", "lorasync.engines.vllm_worker.LoraSyncWorkerExtension"),
     ) as server:
         startup = time.perf_counter() - t0
+        say(f"vLLM server up after {startup:.0f} s; timing its rounds", show=show)
         engine = connect("vllm", server.url, timeout=300)
         raw = httpx.Client(base_url=server.url, timeout=300)
         engine.generate(prompt, model=SERVED_BASE, max_tokens=1)  # the first request compiles

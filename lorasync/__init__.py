@@ -17,6 +17,9 @@ if _typing.TYPE_CHECKING:
     from lorasync._adapter import Adapter
     from lorasync._api import apublish_adapter, publish_adapter
     from lorasync._config import AdapterConfig
+    from lorasync._fleet import Fleet
+    from lorasync._fleet_plan import FleetReport, TenantReport
+    from lorasync._tenant import Tenant
     from lorasync._probe import Probe
     from lorasync._publish import Publisher
     from lorasync._report import EngineResult, PublishReport
@@ -33,6 +36,8 @@ _LAZY = {
     "AdapterConfig": "lorasync._config",
     "BaseWeights": "lorasync.transports",
     "EngineResult": "lorasync._report",
+    "Fleet": "lorasync._fleet",
+    "FleetReport": "lorasync._fleet_plan",
     "LoraSyncError": "lorasync.errors",
     "Probe": "lorasync._probe",
     "PublishReport": "lorasync._report",
@@ -40,6 +45,8 @@ _LAZY = {
     "Retention": "lorasync._retention",
     "RetentionWarning": "lorasync._retention",
     "RetryPolicy": "lorasync._retry",
+    "Tenant": "lorasync._tenant",
+    "TenantReport": "lorasync._fleet_plan",
     "apublish_adapter": "lorasync._api",
     "publish_adapter": "lorasync._api",
 }
@@ -49,6 +56,8 @@ __all__ = [
     "AdapterConfig",
     "BaseWeights",
     "EngineResult",
+    "Fleet",
+    "FleetReport",
     "LoraSyncError",
     "Probe",
     "PublishReport",
@@ -56,6 +65,8 @@ __all__ = [
     "Retention",
     "RetentionWarning",
     "RetryPolicy",
+    "Tenant",
+    "TenantReport",
     "__version__",
     "apublish_adapter",
     "publish_adapter",

@@ -5,7 +5,8 @@ Over 400 lines on purpose: the class, its PEFT on-disk writer and its content ha
 because the write pass and the hash must see the same bytes (:meth:`Adapter.save_hashed`).
 
 Tensors use PEFT's on-disk keys (``base_model.model.<module>.lora_A.weight`` ``[r, in]`` and
-``.lora_B.weight`` ``[out, r]``); the config is an :class:`AdapterConfig`. Construction
+``.lora_B.weight`` ``[out, r]``; an embedding's ``.lora_embedding_A`` ``[r, num_embeddings]`` and
+``.lora_embedding_B`` ``[embedding_dim, r]``); the config is an :class:`AdapterConfig`. Construction
 validates everything an engine would otherwise reject late or, worse, serve wrongly.
 """
 
@@ -23,7 +24,8 @@ from typing import Any
 import torch
 
 from lorasync._config import AdapterConfig, leaf_names
-from lorasync._keys import parse_peft_key, peft_key
+from lorasync._keys import normalize_trainer_key, parse_peft_key, peft_key, split_peft_key
+from lorasync._moe_peft import convert, model_type_of_saved, refuse_fused, split_peft_config
 from lorasync.errors import (
     AdapterError,
     DtypeMismatchError,
@@ -63,7 +65,7 @@ class Adapter:
         NonFiniteError: naming the offending key.
     """
 
-    __slots__ = ("_config", "_modules", "_tensors")
+    __slots__ = ("_config", "_embeddings", "_modules", "_tensors")
 
     def __init__(
         self,
@@ -75,18 +77,26 @@ class Adapter:
         if not tensors:
             raise AdapterError("an adapter needs at least one lora_A/lora_B pair; got no tensors")
         modules: dict[str, dict[str, torch.Tensor]] = {}
+        named: dict[tuple[str, str], str] = {}  # (module, side) -> its key, as given (canonical)
+        kinds: dict[str, bool] = {}  # module -> is an embedding (lora_embedding_* keys)
         for key, tensor in tensors.items():
-            module, side = parse_peft_key(key)
+            module, side, embedding = split_peft_key(key)
+            named[module, side] = key
             if not isinstance(tensor, torch.Tensor):
                 raise AdapterError(f"{key}: expected a torch.Tensor, got {type(tensor).__name__}", key=key)
+            if kinds.setdefault(module, embedding) != embedding:
+                raise AdapterError(
+                    f"{module} has both lora_A/lora_B.weight and lora_embedding_* factors; a module is either a "
+                    "linear layer or an embedding: export one key form per module",
+                    key=key,
+                )
             modules.setdefault(module, {})[side] = tensor
+        self._embeddings = frozenset(m for m, emb in kinds.items() if emb)
         if not config.target_modules:
             config = config.with_(target_modules=leaf_names(modules))
-        _validate(modules, config, check_finite=check_finite)
+        _validate(modules, config, lambda m, s: named.get((m, s)) or self.key(m, s), check_finite=check_finite)
         self._modules = {m: modules[m] for m in sorted(modules)}
-        self._tensors = MappingProxyType(
-            {peft_key(m, s): pair[s] for m, pair in self._modules.items() for s in ("A", "B")}
-        )
+        self._tensors = MappingProxyType({named[m, s]: pair[s] for m, pair in self._modules.items() for s in ("A", "B")})
         self._config = config
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -115,10 +125,22 @@ class Adapter:
         entry = self._modules[module]
         return entry["A"], entry["B"]
 
+    def key(self, module: str, side: str) -> str:
+        """The PEFT key of ``module``'s factor ``side`` (``"A"``/``"B"``): ``...lora_A.weight``, or
+        ``...lora_embedding_A`` for an embedding module."""
+        return peft_key(module, side, embedding=module in self._embeddings)  # type: ignore[arg-type]
+
+    def is_embedding(self, module: str) -> bool:
+        """Whether ``module`` is an embedding (its factors are ``lora_embedding_A/B``)."""
+        return module in self._embeddings
+
     def delta(self, module: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """ΔW = scale · B · A of ``module`` in ``dtype`` (PEFT's per-module scale)."""
+        """ΔW = scale · B · A of ``module`` in ``dtype`` (PEFT's per-module scale), in the layout of
+        the module's weight: ``[out, in]`` for a linear layer, ``[num_embeddings, dim]`` (the
+        transpose) for an embedding, as PEFT's ``get_delta_weight`` gives it."""
         a, b = self.pair(module)
-        return (b.to(dtype) @ a.to(dtype)) * self._config.scale_for(module)
+        delta = (b.to(dtype) @ a.to(dtype)) * self._config.scale_for(module)
+        return delta.T if module in self._embeddings else delta
 
     @property
     def engine_safe_scaling(self) -> bool:
@@ -171,7 +193,7 @@ class Adapter:
         h.update(_canonical_config(self._config).encode())
         for key, tensor in _on_host(self._tensors).items():
             cpu = _cpu_contiguous(tensor)
-            h.update(f"\0{key}\0{cpu.dtype}\0{tuple(cpu.shape)}\0".encode())
+            h.update(tensor_header(key, cpu.dtype, cpu.shape))
             raw = raw_bytes(cpu)  # the tensor's memory in place: no staging copy
             h.update(raw)
             yield raw
@@ -222,6 +244,7 @@ class Adapter:
         new._modules = {m: {"A": tensors[keys[2 * i]], "B": tensors[keys[2 * i + 1]]} for i, m in enumerate(self._modules)}
         new._tensors = MappingProxyType({k: tensors[k] for k in keys})
         new._config = self._config
+        new._embeddings = self._embeddings
         return new
 
     # -- PEFT on-disk format ----------------------------------------------------------------
@@ -279,22 +302,23 @@ class Adapter:
         return path, hashed
 
     @classmethod
-    def load(cls, directory: str | os.PathLike[str], *, check_finite: bool = False) -> Adapter:
+    def load(cls, directory: str | os.PathLike[str], *, check_finite: bool = False, model_type: str | None = None) -> Adapter:
         """Read an adapter saved by :meth:`save` or by PEFT ``save_pretrained``.
 
         Only ``adapter_model.safetensors`` is read (never pickle); PEFT's ``.default`` key
         suffix is tolerated. A directory with other ``*.safetensors`` files is refused: SGLang
         loads every one of them, so an engine would serve something else than this Adapter.
+        PEFT ``target_parameters`` LoRA on fused MoE experts is read as one LoRA per expert
+        (:mod:`lorasync._moe`); ``model_type`` (the base's ``config.json`` ``model_type``) names
+        the expert layout when the adapter config does not (PEFT records the base class only
+        without a ``task_type``; a local ``base_model_name_or_path`` is read too).
 
         Raises:
             StorageError: files missing or unreadable.
             AdapterError: content that fails validation, a config that is not a PEFT LoRA
-                config, or extra ``*.safetensors`` files.
+                config, or extra ``*.safetensors`` files; ``ExpertLayoutError`` for fused-expert
+                factors that have no exact per-expert form.
         """
-        from peft import LoraConfig
-
-        from lorasync._keys import normalize_trainer_key
-
         path = Path(directory)
         weights, cfg = path / ADAPTER_WEIGHTS, path / ADAPTER_CONFIG
         if not weights.is_file() or not cfg.is_file():
@@ -308,17 +332,32 @@ class Adapter:
                 "every *.safetensors file they find. Save the adapter to a directory of its own (Adapter.save)",
                 path=str(path),
             )
-        raw = _read_safetensors(weights)
+        return cls._from_saved(path, _read_safetensors(weights), check_finite=check_finite, model_type=model_type)
+
+    @classmethod
+    def _from_saved(
+        cls, path: Path, raw: Mapping[str, torch.Tensor], *, check_finite: bool = False, model_type: str | None = None
+    ) -> Adapter:
+        """Every check of :meth:`load` after the read: keys, ``path``'s config, fused experts, the
+        Adapter itself. ``raw`` is the weights file's tensors; :func:`lorasync.inspection.inspect_adapter`
+        passes meta tensors built from the header, so its verdict is exactly what ``load`` refuses.
+
+        Raises:
+            AdapterError, ConfigError: as :meth:`load`.
+        """
+        from peft import LoraConfig
+
+        cfg = path / ADAPTER_CONFIG
         tensors: dict[str, torch.Tensor] = {}
         for key, tensor in raw.items():
-            parsed = normalize_trainer_key(key)
-            if parsed is None:
+            canonical = normalize_trainer_key(key)
+            if canonical is None:
                 parse_peft_key(key)  # raises InvalidKeyError naming the key
                 raise AssertionError("unreachable")
-            tensors[peft_key(*parsed)] = tensor
+            tensors[canonical] = tensor
         try:
             peft_config = LoraConfig.from_pretrained(str(path))
-            config = AdapterConfig.from_peft(peft_config)
+            config, target_parameters = split_peft_config(peft_config.to_dict())
         except OSError as exc:
             raise StorageError(f"cannot read {cfg}: {exc}") from exc
         except (ValueError, TypeError, KeyError, AttributeError, RecursionError, RuntimeError, ImportError) as exc:
@@ -330,6 +369,9 @@ class Adapter:
                 path=str(path),
             ) from exc
         _refuse_unfilled_targets(peft_config, tensors, path)
+        if target_parameters:
+            family = model_type or model_type_of_saved(peft_config)
+            tensors, config = convert(tensors, config, target_parameters=target_parameters, model_type=family)
         return cls(tensors, config, check_finite=check_finite)
 
 
@@ -455,6 +497,11 @@ def _on_host(tensors: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
     return serialize(tensors).tensors
 
 
+def tensor_header(key: str, dtype: torch.dtype, shape: tuple[int, ...] | torch.Size) -> bytes:
+    """What the content hash's stream holds before each tensor's bytes (the one definition)."""
+    return f"\0{key}\0{dtype}\0{tuple(shape)}\0".encode()
+
+
 def _canonical_config(config: AdapterConfig) -> str:
     """JSON of ``config`` for hashing: numbers typed as PEFT compares them (``lora_alpha`` 16 and
     16.0 are one config) and patterns as ordered pairs (their order changes their meaning)."""
@@ -512,28 +559,34 @@ def _hasher() -> Any:
     return xxhash.xxh3_128()
 
 
-def _validate(modules: Mapping[str, Mapping[str, torch.Tensor]], config: AdapterConfig, *, check_finite: bool) -> None:
+def _validate(
+    modules: Mapping[str, Mapping[str, torch.Tensor]], config: AdapterConfig, key_of: Any, *, check_finite: bool
+) -> None:
+    for module in modules:  # first: fused factors would fail every check below for the wrong reason
+        refuse_fused(module, key_of(module, "A"))
+    # Keys are named only where a message needs them: this runs on every publish.
     dtype: torch.dtype | None = None
-    first_key = ""
+    first: tuple[str, str] = ("", "")
     for module, pair in modules.items():
         for side in ("A", "B"):
             if side not in pair:
                 other = "B" if side == "A" else "A"
                 raise MissingPairError(
-                    f"{peft_key(module, other)} has no matching {peft_key(module, side)}; "
+                    f"{key_of(module, other)} has no matching {key_of(module, side)}; "
                     "export both factors of every module",
-                    key=peft_key(module, side),
+                    key=key_of(module, side),
                 )
         a, b = pair["A"], pair["B"]
         for side, t in (("A", a), ("B", b)):
-            key = peft_key(module, side)
             if t.dim() != 2:
+                key = key_of(module, side)
                 raise ShapeMismatchError(
                     f"{key} must be 2-D, got shape {tuple(t.shape)}; split packed [E, ...] expert "
                     "factors into one module per expert",
                     key=key,
                 )
             if not t.is_floating_point():
+                key = key_of(module, side)
                 raise DtypeMismatchError(
                     f"{key} has non-floating dtype {t.dtype}; LoRA factors must be floating point "
                     "(float32, bfloat16, float16, float64 or float8: engines cast them to their serving "
@@ -541,26 +594,28 @@ def _validate(modules: Mapping[str, Mapping[str, torch.Tensor]], config: Adapter
                     key=key,
                 )
             if dtype is None:
-                dtype, first_key = t.dtype, key
+                dtype, first = t.dtype, (module, side)
             elif t.dtype != dtype:
+                key = key_of(module, side)
                 raise DtypeMismatchError(
-                    f"{key} is {t.dtype} but {first_key} is {dtype}; cast the adapter to one dtype "
+                    f"{key} is {t.dtype} but {key_of(*first)} is {dtype}; cast the adapter to one dtype "
                     "(Adapter.to(dtype=...))",
                     key=key,
                 )
             if check_finite and not bool(torch.isfinite(t).all()):
+                key = key_of(module, side)
                 raise NonFiniteError(f"{key} holds NaN or inf; the trainer diverged or the export is corrupt", key=key)
         rank = config.rank_for(module)
         if a.shape[0] != rank or b.shape[1] != rank:
             raise ShapeMismatchError(
                 f"{module}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not match rank {rank}; "
                 "set r (or rank_pattern) to the trained rank, or trim padding with trim_rank()",
-                key=peft_key(module, "A"),
+                key=key_of(module, "A"),
             )
         leaf = module.rsplit(".", 1)[-1]
         if config.target_modules and leaf not in config.target_modules and module not in config.target_modules:
             raise ShapeMismatchError(
                 f"{module} is not covered by target_modules {list(config.target_modules)}; "
                 "add its leaf name or leave target_modules empty to derive it",
-                key=peft_key(module, "A"),
+                key=key_of(module, "A"),
             )

@@ -52,6 +52,10 @@ class AdapterConfig:
             raise ConfigError(f"lora_alpha must be a finite number, got {self.lora_alpha!r}")
         if self.lora_alpha <= 0:
             raise ConfigError(f"lora_alpha must be > 0, got {self.lora_alpha!r}")
+        if not isinstance(self.use_rslora, bool):  # "false" would scale by alpha/sqrt(r) in PEFT (truthy)
+            raise ConfigError(f"use_rslora must be true or false, got {self.use_rslora!r} ({type(self.use_rslora).__name__}); fix adapter_config.json")
+        if self.base_model_name_or_path is not None and not isinstance(self.base_model_name_or_path, str):
+            raise ConfigError(f"base_model_name_or_path must be a string or null, got {self.base_model_name_or_path!r}")
         targets = self.target_modules
         if isinstance(targets, str):
             targets = (targets,)
@@ -64,8 +68,8 @@ class AdapterConfig:
                 raise ConfigError(f"rank_pattern[{key!r}] must be a positive int, got {rank!r}")
         for key, alpha in self.alpha_pattern.items():
             _check_pattern("alpha_pattern", key)
-            if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
-                raise ConfigError(f"alpha_pattern[{key!r}] must be > 0, got {alpha!r}")
+            if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha) or not alpha > 0:
+                raise ConfigError(f"alpha_pattern[{key!r}] must be a finite number > 0, got {alpha!r}")
 
     def __reduce__(self) -> tuple[Any, ...]:
         # The patterns are read-only MappingProxyType views, which stdlib pickle refuses: rebuild
@@ -196,7 +200,7 @@ class AdapterConfig:
             r=rank,
             lora_alpha=data["lora_alpha"],
             target_modules=tuple(targets),
-            use_rslora=bool(data.get("use_rslora", False)),
+            use_rslora=False if data.get("use_rslora") is None else data["use_rslora"],  # a string: refused, never cast
             base_model_name_or_path=data.get("base_model_name_or_path"),
             rank_pattern=data.get("rank_pattern") or {},
             alpha_pattern=data.get("alpha_pattern") or {},

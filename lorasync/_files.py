@@ -11,12 +11,16 @@ job's orphan sweep, after this process is gone, keeps what an engine it cannot a
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import time
 from collections.abc import Iterable
+from pathlib import Path
 
-from lorasync._names import served_name
+from lorasync._names import served_name, validate_name, validate_version
+from lorasync.engines._engine import is_in_process_id
 from lorasync.errors import LoraSyncError
-from lorasync.transports._store import DiskStore
+from lorasync.transports._store import META, DiskStore
 
 __all__ = ["VersionFiles"]
 
@@ -42,8 +46,13 @@ class VersionFiles:
 
     def loading(self, version: int, engine_id: str, *, reloads: bool) -> None:
         """Before a load: ``engine_id`` may hold ``version`` from now on (recorded first, so a
-        crash right after the load still leaves a truthful record)."""
-        self._holders.setdefault(version, set()).add(engine_id)
+        crash right after the load still leaves a truthful record). Added to whoever the run's
+        record already names: the stateless calls of a process share a run, one engine each."""
+        holders = self._holders.get(version)
+        if holders is None:
+            record = self.store.record_of(self.name, version)
+            holders = self._holders[version] = set(record[0]) if record is not None else set()
+        holders.add(engine_id)
         if reloads:
             self._reloaders.setdefault(version, set()).add(engine_id)
         self._unloaded.pop(version, None)
@@ -68,6 +77,33 @@ class VersionFiles:
 
     def held(self) -> set[int]:
         return {v for v, h in self._holders.items() if h}
+
+    def path_of(self, version: int) -> str:
+        """This run's directory of ``version``, as engines are given it (absolute)."""
+        return os.path.abspath(self.store.path_for(self.name, version))
+
+    def content_hash_at(self, path: str, version: int) -> str | None:
+        """The content hash recorded with the version directory at ``path`` (where an engine says
+        it loaded the adapter from) when that is ``version`` of this name in a run under the
+        store's root; None otherwise. A version directory is never rewritten (a write renames a
+        complete temp into place, a removal renames it away first), so the hash names the bytes
+        the engine read, whichever run wrote them. Nothing is followed through a symlink.
+        """
+        found = Path(os.path.abspath(path))
+        if found.name != f"v{validate_version(version)}" or found.parent.name.startswith("."):
+            return None
+        if found.parent.parent != Path(os.path.abspath(self.store.root / validate_name(self.name))):
+            return None
+        try:
+            if found.is_symlink() or found.parent.is_symlink():
+                return None
+            meta = json.loads((found / META).read_text())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(meta, dict) or meta.get("name") != self.name or meta.get("version") != version:
+            return None
+        digest = meta.get("content_hash")
+        return digest if isinstance(digest, str) else None
 
     async def collect(
         self,
@@ -138,7 +174,7 @@ class VersionFiles:
             if record is None:
                 return False  # never recorded as loaded anywhere
             for holder in record[0]:
-                if holder.endswith(":"):
+                if is_in_process_id(holder):
                     continue  # an in-process engine: gone with the run's process
                 names = engines_lists.get(holder)
                 if names is None or served_name(self.name, version) in names:

@@ -3,22 +3,39 @@ the engine, capacity, verification, settling after a load and unloading retired 
 
 The publisher owns one handle per engine and calls it under its lock; the decisions of what to
 retire are :func:`lorasync._retention.plan`'s, the files' fate is :class:`lorasync._files.VersionFiles`'.
+
+A content hash is reused only under the same identity (design invariant 8): :meth:`EngineHandle.sync`
+keeps, for each version the engine lists, a hash only while the engine still serves the very load
+it was taken of. Where the engine names the source of each adapter (``Engine.adapter_sources``:
+vLLM, SGLang, the PEFT engine, Ray actors hosting them), that is checked: the hash this publisher
+remembered for the source it loaded, or the hash recorded with the very directory the engine
+names. An engine that cannot name sources is trusted only in this process (nothing outside it
+can reload an in-process engine); a remote one then keeps no hash past the load itself, so
+identical content is published again rather than reported as served on memory alone.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import warnings
+from collections.abc import Mapping
+from typing import Any
 
+from lorasync._adapter import Adapter
+from lorasync._capacity import plan_room
 from lorasync._files import VersionFiles
+from lorasync._leaks import SlotLeaks
 from lorasync._names import parse_served_name, served_name
 from lorasync._probe import Probe
-from lorasync._retention import Ledger, Retention, RetentionWarning, plan
-from lorasync.engines._engine import Capabilities, Engine
-from lorasync.errors import AdapterNotFoundError, CapacityError, EngineError, StaleVersionError, VerificationError
+from lorasync._retention import LEARN, Ledger, Retention, RetentionWarning, plan
+from lorasync.engines._engine import Capabilities, Engine, is_in_process_id
+from lorasync.errors import AdapterNotFoundError, EngineError, StaleVersionError, VerificationError
 from lorasync.transports._transport import Transport
 from lorasync.transports.inplace import InPlaceTransport
+from lorasync.transports._snapshot import OwnedAdapter, owned_copy
+from lorasync.transports.merged import MergedTransport
 
 __all__ = ["EngineHandle"]
 
@@ -38,9 +55,11 @@ class EngineHandle:
         self.engine = engine
         self.name = name
         self.files = files
-        self.engine_id = f"{engine.kind or type(engine).__name__}:{engine.url}"
+        self.engine_id = engine.instance_id
+        self.in_process = is_in_process_id(self.engine_id)
         self.last_in_use: frozenset[str] | None = None
         self._caps: Capabilities | None = None
+        self.leaks = SlotLeaks(engine, self.where)  # retired names the engine may still hold
 
     @property
     def where(self) -> str:
@@ -69,26 +88,88 @@ class EngineHandle:
     def forget_caps(self) -> None:
         self._caps = None
 
-    async def sync(self, ledger: Ledger) -> None:
+    async def sync(self, ledger: Ledger, *, just_loaded: int | None = None) -> None:
         """Read which versions of ``name`` the engine serves now (once until the next failure).
 
         Versions another publisher loaded count too (fencing is per engine and served name);
-        their content hashes are unknown unless this run wrote them.
+        their content hashes are unknown unless the engine names files whose hash is recorded.
+        ``just_loaded``: the version this publisher loaded right before (its tensor load's source
+        is learnt now).
         """
         if ledger.synced:
             return
-        found: dict[int, str | None] = {}
-        for listed in await self.engine.alist_adapters():
-            parsed = parse_served_name(listed)
+        # One look: an engine that names its adapters' sources lists them with it (vLLM: one
+        # GET /v1/models either way).
+        sources = await self.engine.aadapter_sources()
+        listing = list(sources) if sources is not None else await self.engine.alist_adapters()
+        await self._recheck_leaks(listed=listing)
+        listed = []
+        for name in listing:
+            parsed = parse_served_name(name)
             if parsed is not None and parsed[0] == self.name:
-                found[parsed[1]] = ledger.versions.get(parsed[1]) or self.files.store.content_hash_held_by(self.name, parsed[1], self.engine_id)
+                listed.append(parsed[1])
+        found = {v: self._hash_of(ledger, v, sources, just_loaded=just_loaded) for v in listed}
         for lost in set(ledger.versions) - set(found):
             self.files.released(lost, self.engine_id, reloads=self.reloads)  # restarted or unloaded by someone else
         ledger.versions = found
+        ledger.sources = {v: src for v, src in ledger.sources.items() if v in found}
         for version in list(ledger.left_window):
             if version not in found:
                 del ledger.left_window[version]
         ledger.synced = True
+
+    def _hash_of(self, ledger: Ledger, version: int, sources: Mapping[str, str | None] | None, *, just_loaded: int | None) -> str | None:
+        """The content hash of what the engine serves as ``version``, if it can be known."""
+        reported = sources.get(served_name(self.name, version)) if sources is not None else None
+        remembered, mine = ledger.versions.get(version), ledger.sources.get(version)
+        if reported is not None:
+            if remembered is not None and (reported == mine or (mine == LEARN and version == just_loaded)):
+                ledger.sources[version] = reported
+                return remembered
+            ledger.sources.pop(version, None)  # served from elsewhere: its files say what it is, if anything
+            found = self.files.content_hash_at(reported, version)
+            if found is not None:
+                ledger.sources[version] = reported
+            return found
+        if version == just_loaded:
+            return remembered  # listed right after this publisher loaded it: the freshest evidence there is
+        if not self.in_process:
+            return None  # a remote engine that cannot say which load it serves (it may have restarted)
+        return remembered or self.files.store.content_hash_held_by(self.name, version, self.engine_id)
+
+    async def delivered(self, ledger: Ledger, transport: Transport, version: int, digest: str, *, path: str | None, restore: object) -> None:
+        """Remember what the engine serves from this publisher now: the hash, where that load came
+        from (``path``: its files; else the token the engine gives a tensor load) and, in place,
+        what to put it back from (its files, an owned copy, or the Adapter it was published from:
+        see :meth:`put_back`)."""
+        if isinstance(transport, InPlaceTransport):
+            ledger.in_place = (version, digest, restore)
+            ledger.in_place_source = path or await self.source_of(self.name)
+        elif transport.versioned:
+            ledger.versions[version] = digest
+            ledger.sources[version] = path or LEARN
+            self.leaks.loaded_again(served_name(self.name, version))  # loaded on purpose: no leak
+        else:
+            ledger.merged = (version, digest)
+
+    async def source_of(self, name: str) -> str | None:
+        """Where the engine serves ``name`` from now (None: it cannot tell, or does not serve it)."""
+        sources = await self.engine.aadapter_sources()
+        return sources.get(name) if sources is not None else None
+
+    async def check_memory(self, ledger: Ledger, transport: Transport) -> None:
+        """Forget what this publisher swapped in place or merged if the engine no longer serves
+        it: another publisher swapped the name or merged into the engine since, or the engine
+        lost the name (design invariant 8: a hash counts only while the engine serves it)."""
+        if isinstance(transport, MergedTransport):
+            if ledger.merged is not None and not transport.serves(self.engine):
+                ledger.merged = None
+            return
+        if ledger.in_place is None:
+            return
+        sources = await self.engine.aadapter_sources()
+        if sources is not None and sources.get(self.name) != ledger.in_place_source:
+            ledger.in_place = ledger.in_place_source = None
 
     async def in_use(self) -> frozenset[str] | None:
         """Names with running or waiting requests (None: the engine cannot tell, or failed to)."""
@@ -99,7 +180,7 @@ class EngineHandle:
             self.last_in_use = None
         return self.last_in_use
 
-    async def make_room(self, ledger: Ledger, policy: Retention, pins: frozenset[int], caps: Capabilities) -> list[str]:
+    async def make_room(self, ledger: Ledger, policy: Retention, pins: frozenset[int], caps: Capabilities, *, planned: bool = False) -> list[str]:
         """Make room for one more adapter on an engine with a hard adapter limit.
 
         Only versions that leave the window anyway and have no requests may go early; if that is
@@ -114,38 +195,13 @@ class EngineHandle:
         """
         if caps.max_loras is None or caps.reloads_from_path:
             return []
-        loaded = await self.engine.alist_adapters()
-        # After the new version loads, the window moves: versions it pushes out go now, before the
-        # load, so concurrent publishers of several names never overrun the engine together.
-        future = dict.fromkeys(ledger.versions) | {max(ledger.versions, default=-1) + 1: None}
-        window = policy.window(list(future), pins)
-        busy = await self.in_use()
-        early = [v for v in sorted(ledger.versions) if v not in window and (busy is None or served_name(self.name, v) not in busy)]
-        if busy is None:
-            # Requests unknown (SGLang, whose unload then waits for them): only as many as the load
-            # needs, so an engine with room never waits on a draining unload before it loads.
-            early = early[: max(0, len(loaded) + 1 - caps.max_loras)]
-        elif len(loaded) - len(early) + 1 > caps.max_loras:
-            early = []  # not enough room even so: refuse below, before unloading anything
-        if len(loaded) - len(early) + 1 > caps.max_loras:
-            others = sorted(n for n in loaded if (parse_served_name(n) or ("", 0))[0] != self.name)
-            advice = []
-            if caps.max_loras <= policy.keep:
-                advice.append(f"restart the engine with more adapter slots than keep={policy.keep} (vLLM --max-cpu-loras, SGLang --max-loaded-loras)")
-            else:
-                advice.append(f"lower keep= (now {policy.keep}) or restart the engine with more slots (SGLang --max-loaded-loras)")
-            if caps.load_inplace:
-                advice.append("publish in place (in_place=True), which needs no second slot")
-            advice.append("or publish with transport='merged' (base=...), which needs no slot")
-            raise CapacityError(
-                f"{self.where} holds {len(loaded)} adapters ({', '.join(sorted(loaded)[:8])}) and can hold {caps.max_loras}; "
-                f"none of them may go without taking one out from under a request or the retention window"
-                + (f" (other adapters: {', '.join(others[:4])})" if others else "")
-                + "; nothing was unloaded. To publish: " + "; ".join(advice),
-                engine=caps.engine,
-                url=caps.url,
-                capacity=caps.max_loras,
-            )
+        # A retired adapter the engine still holds occupies a slot too (lorasync._leaks).
+        listing = await self.engine.alist_adapters()
+        await self._recheck_leaks(listed=listing)
+        early = plan_room(
+            self.name, ledger, policy, pins, caps,
+            loaded=sorted(set(listing) | self.leaks.suspects), busy=await self.in_use(), kept=self.leaks.suspects, where=self.where, planned=planned,
+        )
         return await self.unload(ledger, early)
 
     async def retire(self, ledger: Ledger, policy: Retention, pins: frozenset[int], *, closing: bool = False) -> tuple[list[str], list[str]]:
@@ -185,16 +241,33 @@ class EngineHandle:
             except AdapterNotFoundError:
                 pass  # already gone: the goal holds
             ledger.forget(version)
-            self.files.released(version, self.engine_id, reloads=self.reloads)
+            if served not in self.leaks.suspects:  # one the engine kept keeps its files until it goes
+                self.files.released(version, self.engine_id, reloads=self.reloads)
             retired.append(served)
+        if retired:
+            await self._recheck_leaks(retired)  # did they leave the engine? (SlotLeakWarning if not)
         return retired
 
-    async def verify(self, ledger: Ledger, transport: Transport, probe: Probe, version: int, *, previous: tuple[int, str, object] | None) -> None:
+    async def _recheck_leaks(self, retired: list[str] | None = None, *, listed: list[str] | None = None) -> None:
+        """Judge whether retired versions left the engine (lorasync._leaks): one it lists or holds
+        keeps its files (it may read them again) until a later check finds it gone."""
+        if not retired and not self.leaks.watching:
+            return
+        for held in await self.leaks.check(retired or (), listed=listed, busy=self.last_in_use):
+            parsed = parse_served_name(held)
+            if parsed is not None and parsed[0] == self.name:
+                self.files.loading(parsed[1], self.engine_id, reloads=self.reloads)
+        for gone in self.leaks.freed:
+            parsed = parse_served_name(gone)
+            if parsed is not None and parsed[0] == self.name:
+                self.files.released(parsed[1], self.engine_id, reloads=self.reloads)
+
+    async def verify(self, ledger: Ledger, transport: Transport, probe: Probe, version: int, *, previous: tuple[int, str, object] | None, caps: Capabilities) -> None:
         """Check the trainer's probe through the engine; on a mismatch put things back and raise.
 
         Raises:
             VerificationError: the engine does not reproduce the probe (the new version was taken
-                out of service, or the previous in-place weights were put back).
+                out of service: unloaded, or the previous in-place or merged weights put back).
         """
         in_place = isinstance(transport, InPlaceTransport)
         asked = self.name if in_place else (served_name(self.name, version) if transport.versioned else None)
@@ -203,25 +276,59 @@ class EngineHandle:
         if why is None:
             return
         if in_place:
-            if previous is not None:
-                await transport.restore(self.engine, name=self.name, previous=previous[2])  # type: ignore[arg-type]
-            ledger.in_place = previous
+            done = await self.put_back(ledger, transport, previous)
             raise VerificationError(
-                f"{self.engine.kind} does not reproduce the trainer's probe for {self.name} v{version}: {why}; "
-                + ("the previous version was put back" if previous is not None else "nothing served before it"),
+                f"{self.engine.kind} does not reproduce the trainer's probe for {self.name} v{version}: {why}; {done}",
                 engine=self.engine.kind,
                 url=self.engine.url,
                 adapter=self.name,
             )
-        if transport.versioned:
-            await self.unload(ledger, [version])
+        done = await self.withdraw(ledger, transport, version, caps=caps, previous=previous)
         raise VerificationError(
-            f"{self.where} does not reproduce the trainer's probe for {asked or 'the merged base'}: {why}. The new "
-            "version was taken out of service; check scaling (use_rslora / alpha patterns: see normalize_scaling), "
-            "dtype and the base model.",
+            f"{self.where} does not reproduce the trainer's probe for {asked or 'the merged base'}: {why}. {done}; "
+            "check scaling (use_rslora / alpha patterns: see normalize_scaling), dtype and the base model.",
             engine=self.engine.kind,
             url=self.engine.url,
             adapter=asked,
+        )
+
+    async def withdraw(self, ledger: Ledger, transport: Transport, version: int, *, caps: Capabilities, previous: tuple[Any, ...] | None) -> str:
+        """Take the version just delivered out of service; ``previous``: the ledger's in-place
+        or merged entry before it. Returns what was done (for messages)."""
+        if isinstance(transport, InPlaceTransport):
+            return await self.put_back(ledger, transport, previous)  # type: ignore[arg-type]
+        if isinstance(transport, MergedTransport):
+            merge = await transport.rollback(self.engine, caps)  # from its own copy of the previous merge
+            ledger.merged = previous if transport.serves(self.engine) else None  # type: ignore[assignment]
+            return "The previous merge was put back" if merge else "The pristine base weights were put back"
+        await self.unload(ledger, [version])
+        return "The new version was taken out of service"
+
+    async def put_back(self, ledger: Ledger, transport: InPlaceTransport, previous: tuple[int, str, object] | None) -> str:
+        """Serve the previous in-place version again, from what was kept of it: its files or an
+        owned copy. Where only the Adapter it was published from is left (no probe had armed a
+        copy yet), a copy of that is used if it still hashes to the version's content (a no-copy
+        export's tensors have usually moved on). Otherwise the name is unloaded rather than left
+        serving weights that failed. Returns what was done."""
+        point = previous[2] if previous is not None else None
+        if isinstance(point, Adapter) and not isinstance(point, OwnedAdapter):
+            copy = await asyncio.to_thread(owned_copy, point)
+            point = copy if await asyncio.to_thread(lambda: copy.content_hash) == previous[1] else None  # type: ignore[index]
+        if previous is not None and point is not None:
+            await transport.restore(self.engine, name=self.name, previous=point)  # type: ignore[arg-type]
+            ledger.in_place, ledger.in_place_source = (previous[0], previous[1], point), await self.source_of(self.name)
+            return f"v{previous[0]} was put back"
+        try:
+            await self.engine.aunload_adapter(self.name)
+        except AdapterNotFoundError:
+            pass
+        ledger.in_place = ledger.in_place_source = None
+        if previous is None:
+            return f"nothing served before it, so {self.name} was unloaded"
+        return (
+            f"{self.name} was unloaded: v{previous[0]} was published from the trainer's own tensors, which changed "
+            "since, and no copy of it was kept (give the Publisher verify= so every in-place version keeps one, or "
+            "publish in place through files with transport='disk')"
         )
 
     async def settle(self, ledger: Ledger, transport: Transport, version: int, policy: Retention, pins: frozenset[int]) -> None:
@@ -238,11 +345,8 @@ class EngineHandle:
             StaleVersionError: newer versions were loaded concurrently.
         """
         served = served_name(self.name, version)
-        digest = ledger.versions.get(version)
         ledger.synced = False
-        await self.sync(ledger)
-        if version in ledger.versions and ledger.versions[version] is None:
-            ledger.versions[version] = digest
+        await self.sync(ledger, just_loaded=version)
         if version not in ledger.versions and any(v > version for v in ledger.versions):
             raise StaleVersionError(
                 f"{self.name} v{version} was superseded while it loaded: a concurrent publisher of v{max(ledger.versions)} "

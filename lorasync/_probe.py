@@ -69,8 +69,7 @@ class Probe:
                 raise ConfigError("expected_logprobs must have one value per expected token")
         if not self.prompt_ids or not self.expected_ids:
             raise ConfigError("a probe needs a non-empty prompt and at least one expected token")
-        if isinstance(self.atol, bool) or not isinstance(self.atol, (int, float)) or not self.atol >= 0:
-            raise ConfigError(f"atol must be a number >= 0, got {self.atol!r}")
+        check_atol(self.atol)
         if self.previous_logprobs is not None:
             object.__setattr__(self, "previous_logprobs", tuple(float(x) for x in self.previous_logprobs))
             if self.expected_logprobs is None or len(self.previous_logprobs) != len(self.expected_ids):
@@ -165,10 +164,13 @@ class Probe:
             `Probe`: the expectation.
 
         Raises:
-            ConfigError: ``strict`` without ``previous``, or versions too close (see :meth:`strict`).
+            ConfigError: ``strict`` without ``previous``, ``max_tokens`` not an int >= 1, ``atol``
+                not a number >= 0, or versions too close (see :meth:`strict`).
         """
         if strict and previous is None:
             raise ConfigError("strict=True needs previous= (the previous version's model)")
+        check_max_tokens(max_tokens)
+        check_atol(atol)
         # On the model's device: a trainer's model usually sits on its GPU.
         device = next((p.device for p in model.parameters()), torch.device("cpu")) if hasattr(model, "parameters") else torch.device("cpu")
         ids = torch.tensor([list(prompt_ids)], device=device)
@@ -204,3 +206,15 @@ class Probe:
                 if not math.isfinite(a) or abs(a - b) > self.atol:
                     return f"token {i} logprob {a:.5f} differs from expected {b:.5f} by more than {self.atol}"
         return None
+
+
+def check_atol(atol: object, *, what: str = "atol") -> None:
+    """Raises ConfigError unless ``atol`` is a number >= 0 (not a bool, not NaN)."""
+    if isinstance(atol, bool) or not isinstance(atol, (int, float)) or not atol >= 0:
+        raise ConfigError(f"{what} must be a number >= 0 (an allowed log-prob difference, e.g. 0.05), got {atol!r}")
+
+
+def check_max_tokens(max_tokens: object, *, what: str = "max_tokens") -> None:
+    """Raises ConfigError unless ``max_tokens`` is an int >= 1 (not a bool)."""
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ConfigError(f"{what} must be an int >= 1 (tokens the probe decodes), got {max_tokens!r}")

@@ -15,16 +15,18 @@ again (:mod:`lorasync._files`). Invariants:
 * A version with running or waiting requests is never unloaded (it is ``deferred``), a pinned
   one never, and a version's files outlive every engine that may reload them.
 * Every publisher owns its own run of versions in the store: two jobs or a re-run never collide.
+* No call hangs (:mod:`lorasync._lifecycle`): a blocking call where it would deadlock, a call
+  after ``close`` or in a forked child, each is a typed error; ``close`` fails the calls waiting
+  for the lock at once and lets the one in flight finish.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import logging
 import os
-import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -32,19 +34,21 @@ from torch import nn
 
 from lorasync._adapter import Adapter
 from lorasync._aftercare import Aftercare
-from lorasync._digest import PublishDigest
+from lorasync._digest import PublishDigest, watch_optimizer_steps
 from lorasync._files import VersionFiles
 from lorasync._handle import EngineHandle
-from lorasync._loop import LoopThread, held
+from lorasync._lifecycle import async_entry
+from lorasync._loop import held
 from lorasync._names import served_name, validate_name, validate_version
 from lorasync._probe import Probe
 from lorasync._report import EngineResult, PublishReport
 from lorasync._retention import Ledger, Retention
 from lorasync._select import TRANSPORTS, choose_transport
-from lorasync.engines._engine import Engine
+from lorasync._session import PublisherLife, refuse_duplicates
+from lorasync.engines._engine import Capabilities, Engine
 from lorasync.engines._registry import parse_engine_spec
-from lorasync.errors import ConfigError, LoraSyncError
-from lorasync.transports._transport import Transport
+from lorasync.errors import ConfigError
+from lorasync.transports._transport import Transport, finish
 from lorasync.transports._base_weights import BaseWeights
 from lorasync.transports._store import DiskStore
 from lorasync.transports.disk import DiskTransport
@@ -54,10 +58,12 @@ from lorasync.transports.merged import DEFAULT_BUCKET_BYTES, MergedTransport
 
 __all__ = ["Publisher"]
 
+log = logging.getLogger("lorasync.publish")
+
 AdapterLike = Adapter | nn.Module | Mapping[str, torch.Tensor]
 
 
-class Publisher:
+class Publisher(PublisherLife):
     """Holds engines and per-engine version state across training steps.
 
     Args:
@@ -68,7 +74,7 @@ class Publisher:
             or ``"merged"``.
         keep (`int`): newest versions each engine keeps loaded. At least 1. Older ones are
             unloaded once no request uses them, then their files removed.
-        root (`str | os.PathLike`, *optional*): disk transport root (default ``/dev/shm/lorasync``).
+        root (`str | os.PathLike`, *optional*): disk transport root (default ``/dev/shm/lorasync-<uid>``, per user).
         run (`str`, *optional*): this publisher's run identity in the store (versions live in
             ``<root>/<name>/<run>/vN``); default a fresh one, so two jobs or a re-run never
             collide. Pass the same run to resume after a restart.
@@ -87,6 +93,10 @@ class Publisher:
         >>> report = pub.publish(adapter, version=step)  # doctest: +SKIP
         >>> report.served_name  # 'policy@v<step>'  # doctest: +SKIP
     """
+
+    # A Fleet's tenant: the fleet planned every engine's slots across tenants before the round,
+    # so make_room unloads only what the load needs (lorasync._capacity.plan_room).
+    _room_planned = False
 
     def __init__(
         self,
@@ -112,10 +122,19 @@ class Publisher:
         self.engines = [parse_engine_spec(e) for e in engines]
         if not self.engines:
             raise ConfigError("publish needs at least one engine")
+        refuse_duplicates(self.engines)
         self.name = validate_name(name)
-        if transport not in TRANSPORTS:
+        if not isinstance(transport, str) or transport not in TRANSPORTS:
             raise ConfigError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        if retention is not None and not isinstance(retention, Retention):
+            raise ConfigError(f"retention must be a lorasync.Retention (or None to use keep=, grace=, ...), got {type(retention).__name__}")
         self.retention = retention or Retention(keep=keep, grace=grace, drain_timeout=drain_timeout, max_deferred=max_deferred, max_staleness=max_staleness)
+        if not isinstance(in_place, bool):
+            raise ConfigError(f"in_place must be True or False, got {in_place!r}")
+        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+            raise ConfigError(f"bucket_bytes must be an int >= 1 (bytes per merged-update bucket), got {bucket_bytes!r}")
+        if verify is not None and not isinstance(verify, Probe):
+            raise ConfigError(f"verify must be a lorasync.Probe (Probe.from_model(...)) or None, got {type(verify).__name__}")
         self.transport = transport
         self.verify = verify
         self.in_place = in_place
@@ -124,19 +143,24 @@ class Publisher:
         self.store = DiskStore(root, run=run)
         self._disk = DiskTransport(self.store)
         if base is not None and not isinstance(base, BaseWeights):
+            if not isinstance(base, (str, os.PathLike)):
+                raise ConfigError(f"base must be BaseWeights or the path of the pristine base model, got {type(base).__name__}")
             base = BaseWeights.from_pretrained(base)
         merged = MergedTransport(base, bucket_bytes=bucket_bytes) if base is not None else None
         self._candidates = {"disk": self._disk, "ipc": IPCTransport(), "merged": merged}
         self._in_place = InPlaceTransport(self._disk, files={"disk": True, "ipc": False}.get(transport)) if in_place else None
+        self._probed = verify is not None  # a restore can happen: in-place versions keep an owned copy
+        # Called when a publish has hashed (on disk: written) the adapter and hands it to an engine:
+        # a Fleet holds back hashing its other tenants until then (they would slow what came before).
+        self._on_staged: Callable[[], None] | None = None
+        watch_optimizer_steps()  # before the first publish, so a step already running then is seen
         self._files = VersionFiles(self.store, self.name, grace=self.retention.grace)
         self._ledgers = {id(e): Ledger() for e in self.engines}
         self._handles = {id(e): EngineHandle(e, self.name, self._files) for e in self.engines}
-        self._pins: dict[int, int] = {}
-        self._lock = threading.Lock()
-        self._loop = LoopThread()
+        self._start_life()
         self._care = Aftercare(
             name=self.name, engines=self.engines, ledgers=self._ledgers, handles=self._handles, files=self._files,
-            retention=self.retention, pins=lambda: self.pinned, in_place=in_place,
+            retention=self.retention, pins=lambda: self.pinned, in_place=in_place, rescue=self._loop, guard=self._sync_guard,
         )
 
     @property
@@ -164,8 +188,10 @@ class Publisher:
         Raises:
             InvalidNameError: bad version. AdapterError / ExportError: bad adapter.
         """
+        self._life.check_sync("publish()", "await pub.apublish(adapter, version=...)")
         return self._loop.run(self.apublish(adapter, version=version, verify=verify))
 
+    @async_entry("pub.apublish()")
     async def apublish(self, adapter: AdapterLike, *, version: int, verify: Probe | None = None) -> PublishReport:
         """Async twin of :meth:`publish`."""
         version = validate_version(version)
@@ -177,20 +203,25 @@ class Publisher:
             adapter = await asyncio.to_thread(export, adapter)
             timings["export"] = time.perf_counter() - start
         probe = verify or self.verify
-        digest = PublishDigest(adapter)
+        self._probed = self._probed or probe is not None  # in-place versions keep a copy to restore from now
         async with held(self._lock):
             await self._care.previous_settled()
             self._disk.new_publish()
+            digest = PublishDigest(adapter)  # from here on the publish reads the tensors: a change now tears it
             done = await asyncio.gather(*(self._guarded(e, adapter, version, digest, probe) for e in self.engines))
+            if len({r.served_name for r, _ in done if r.ok and r.served_name}) > 1:
+                # Engines serving this content under an older name load it as this version too, so
+                # report.served_name (what callers put in model=) is served by every engine that is ok.
+                again = [i for i, (r, _) in enumerate(done) if r.status == "unchanged"]
+                for i, redone in zip(again, await asyncio.gather(*(self._guarded(self.engines[i], adapter, version, digest, probe, reuse=False) for i in again))):
+                    done[i] = redone
             results = [r for r, _ in done]
-            if all(r.status == "unchanged" for r in results):
-                await asyncio.to_thread(self._disk.discard, self.name, version)  # written to learn its hash only
-            content_hash = await digest.get()  # known unless every engine failed before needing it
+            if all(r.status == "unchanged" for r in results) or digest.torn is not None:
+                await asyncio.to_thread(self._disk.discard, self.name, version)  # written to learn its hash only, or torn
+            content_hash = await digest.get(check=False)  # known unless every engine failed before needing it
             timings["hash"] = digest.seconds
             timings["total"] = time.perf_counter() - start
-            names = {r.served_name for r in results if r.ok and r.served_name}
-            if self.in_place:
-                names = {self.name}
+            names = {self.name} if self.in_place else {r.served_name for r in results if r.ok and r.served_name}
             report = PublishReport(
                 name=self.name,
                 version=version,
@@ -200,149 +231,77 @@ class Publisher:
                 results=results,
                 timings=timings,
             )
+            if report.ok:
+                self._note_served(version, report.served_name, content_hash)  # lease(version) names what serves it
             # The new version serves: what is left (re-listing, retirement, file collection) runs
             # after this call returns, and the next publish waits for it before touching anything.
             after = self._care.after(done, version, timings)
             if self.retention.background and all(h.concurrent for h in self._handles.values()):
-                report._after = (self._care.background.start(after), asyncio.get_running_loop())
+                report._after = self._care.start(after)
             else:
                 await after
         return report
 
-    def pin(self, version: int) -> None:
-        """Never retire ``version`` (on any engine) until :meth:`unpin`; pins nest."""
-        version = validate_version(version)
-        with self._lock:
-            self._pins[version] = self._pins.get(version, 0) + 1
-
-    def unpin(self, version: int) -> None:
-        """Undo one :meth:`pin`; the version retires on the next publish once it is outside the window."""
-        version = validate_version(version)
-        with self._lock:
-            left = self._pins.get(version, 0) - 1
-            if left > 0:
-                self._pins[version] = left
-            else:
-                self._pins.pop(version, None)
-
-    @contextlib.contextmanager
-    def lease(self, version: int) -> Iterator[str]:
-        """Pin ``version`` for the ``with`` block (rollouts that run on it); yields its served name.
-
-        Example:
-            >>> with pub.lease(step) as model:  # doctest: +SKIP
-            ...     rollouts = sample(model=model)
-        """
-        self.pin(version)
-        try:
-            yield served_name(self.name, version)
-        finally:
-            self.unpin(version)
-
-    @property
-    def pinned(self) -> frozenset[int]:
-        return frozenset(self._pins)
-
-    def collect(self) -> dict[str, list[str]]:
-        """Retire what has drained since the last publish (and collect its files) now.
-
-        Returns:
-            ``{"retired": [...], "deferred": [...]}`` over all engines.
-        """
-        return self._loop.run(self.acollect())
-
-    async def acollect(self, *, closing: bool = False) -> dict[str, list[str]]:
-        """Async twin of :meth:`collect`."""
-        async with held(self._lock):
-            await self._care.previous_settled()
-            return await self._care.retire_all(closing=closing)
-
     def restore_base(self) -> None:
         """Undo merged publishes: every engine this publisher merged into gets its pristine base
         weights back (adapter-serving engines are untouched)."""
+        self._life.check_sync("restore_base()", "await pub.arestore_base()")
         self._loop.run(self.arestore_base())
 
+    @async_entry("pub.arestore_base()")
     async def arestore_base(self) -> None:
+        """Async twin of :meth:`restore_base`."""
         merged = self._candidates["merged"]
         if merged is None:
             return
-        for engine in self.engines:
-            ledger = self._ledgers[id(engine)]
-            if ledger.merged is not None:
-                await merged.restore(engine, await self._handles[id(engine)].caps())  # type: ignore[attr-defined]
-                ledger.merged = None
-
-    def close(self) -> None:
-        """Retire what has drained, close the engines' connections and stop the publisher's
-        event loop (idempotent). Versions still in use stay loaded, with their files."""
-        if self._loop.running or self._care.background.pending:
-            with contextlib.suppress(LoraSyncError):
-                self._loop.run(self.acollect(closing=True))
-        self._release()
-        for engine in self.engines:
-            engine.close()
-
-    async def aclose(self) -> None:
-        """Async twin of :meth:`close`, for publishers driven with :meth:`apublish`."""
-        with contextlib.suppress(LoraSyncError):
-            await self.acollect(closing=True)
-        await _aclose_all(self.engines)
-        self._release()
-
-    def _release(self) -> None:
-        # Async clients opened on the publisher's loop are closed on it before it stops.
-        if self._loop.running:
-            self._loop.run(_aclose_all(self.engines))
-        self._loop.stop()
-        self.store.close()
-
-    def __enter__(self) -> Publisher:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+        async with held(self._lock):
+            for engine in self.engines:
+                ledger = self._ledgers[id(engine)]
+                if ledger.merged is not None:
+                    await merged.restore(engine, await self._handles[id(engine)].caps())  # type: ignore[attr-defined]
+                    ledger.merged = None
 
     # -- one engine -------------------------------------------------------------------------------
 
-    async def _guarded(self, engine: Engine, adapter: Adapter, version: int, digest: PublishDigest, probe: Probe | None) -> tuple[EngineResult, Transport | None]:
-        """One engine's publish up to serving; whatever it raises becomes this engine's typed,
-        reported error. Returns the result, and the transport when the version must settle."""
+    async def _guarded(self, engine: Engine, adapter: Adapter, version: int, digest: PublishDigest, probe: Probe | None, *, reuse: bool = True) -> tuple[EngineResult, Transport | None]:
+        """One engine's publish up to serving; whatever it raises becomes this engine's typed, reported
+        error. Returns the result, and the transport when the version must settle (``reuse``: dedup)."""
         result = EngineResult(engine=engine.kind or type(engine).__name__, url=engine.url, status="failed")
         settle = None
         try:
-            settle = await self._publish_one(engine, self._ledgers[id(engine)], result, adapter, version, digest, probe)
+            settle = await self._publish_one(engine, self._ledgers[id(engine)], result, adapter, version, digest, probe, reuse=reuse)
         except Exception as exc:
             self._care.failed(engine, result, exc, version)
         return result, settle
 
-    async def _publish_one(self, engine: Engine, ledger: Ledger, result: EngineResult, adapter: Adapter, version: int, hashing: PublishDigest, probe: Probe | None) -> Transport | None:
+    async def _publish_one(self, engine: Engine, ledger: Ledger, result: EngineResult, adapter: Adapter, version: int, hashing: PublishDigest, probe: Probe | None, *, reuse: bool) -> Transport | None:
         handle = self._handles[id(engine)]
-        served = served_name(self.name, version)
         t0 = time.perf_counter()
         caps = await handle.caps()
         transport, result.reason = choose_transport(self.transport, engine, caps, adapter, self._candidates, in_place=self._in_place)
         result.transport = transport.name
-        if isinstance(transport, InPlaceTransport):
+        in_place = isinstance(transport, InPlaceTransport)
+        if in_place:
             result.transport = "disk" if transport.uses_files(caps) else "ipc"
             result.served_name = self.name
+        if not transport.versioned:
+            await handle.check_memory(ledger, transport)  # what it swapped in or merged counts only while served
         fresh = not ledger.synced
         if transport.versioned:
             await handle.sync(ledger)
             self._files.sweep_orphans(self._care.engine_lists())
         t_hash = time.perf_counter()
-        if transport is self._disk and version > max(ledger.versions, default=-1):
-            # A new version (every training step): written now and hashed in the same pass; its
-            # files go again below if the engine already serves identical content.
-            digest = await hashing.get(lambda: self._staged(adapter, version))
-        else:
-            digest = await hashing.get()
+        # A new version (every training step) is written now and hashed in the same pass; its
+        # files go again below if the engine already serves identical content.
+        new = transport is self._disk and version > max(ledger.versions, default=-1)
+        digest = await hashing.get((lambda: self._staged(adapter, version)) if new else None)
         t0 += time.perf_counter() - t_hash  # the write or hash is reported as such, not as preflight
-        if transport.versioned and not fresh and ledger.unchanged(versioned=True, version=version, digest=digest):
+        if reuse and transport.versioned and not fresh and ledger.unchanged(versioned=True, version=version, digest=digest):
             # About to move nothing on the strength of memory: ask the engine, which may have
-            # restarted (and forgotten every adapter) since this publisher last looked.
+            # restarted (and forgotten every adapter, or been given another job's) since.
             ledger.synced = False
             await handle.sync(ledger)
-        if ledger.unchanged(versioned=transport.versioned, version=version, digest=digest):
+        if reuse and ledger.unchanged(versioned=transport.versioned, version=version, digest=digest):
             # The identical adapter is served under its earlier version's name: report that name.
             result.status = "unchanged"
             result.served_name = served_name(self.name, ledger.newest()) if transport.versioned else (self.name if self.in_place else "")  # type: ignore[arg-type]
@@ -350,42 +309,60 @@ class Publisher:
             return None
         ledger.check_monotonic(self.name, versioned=transport.versioned, version=version, digest=digest)
         if transport.versioned:
-            result.retired = await handle.make_room(ledger, self.retention, self.pinned, caps)
+            result.retired = await handle.make_room(ledger, self.retention, self.pinned, caps, planned=self._room_planned)
+        # The trainer's tensors (zero-copy), or this publish's owned copy where lorasync keeps the
+        # version to put it back (invariant 7): every merge, in-place swaps once a probe is used.
+        files = in_place and transport.uses_files(caps)
+        keep = transport is self._candidates["merged"] or (in_place and not files and self._probed)
+        payload = await hashing.owned() if keep else adapter
         result.timings["preflight"] = time.perf_counter() - t0
 
         with_files = transport.versioned and transport.name == "disk"
         if with_files:
             self._files.loading(version, handle.engine_id, reloads=handle.reloads)
-        previous = ledger.in_place
+        previous = ledger.in_place if in_place else ledger.merged
+        if self._on_staged is not None:
+            self._on_staged()
         try:
-            delivery = await transport.deliver(adapter, engine, caps, name=self.name, version=version, served=served)
-        except BaseException:
+            delivering = transport.deliver(payload, engine, caps, name=self.name, version=version, served=served_name(self.name, version))
+            # With a probe, a cancel waits for the delivery (its engine call runs on in a thread
+            # anyway) so that what it swapped in can be taken out again, unverified.
+            delivery = await (finish(delivering) if probe is not None else delivering)
+        except BaseException as exc:
+            if probe is not None and isinstance(exc, asyncio.CancelledError):
+                await self._withdraw_cancelled(handle, ledger, transport, version, caps=caps, previous=previous)
             if with_files:
                 self._files.released(version, handle.engine_id, reloads=handle.reloads)
             raise
         result.timings.update(delivery.timings)
-        result.bytes_moved = delivery.bytes_moved
-        result.served_name = delivery.served_name
-        if isinstance(transport, InPlaceTransport):
-            ledger.in_place = (version, digest, adapter)
-        elif transport.versioned:
-            ledger.versions[version] = digest
-        else:
-            ledger.merged = (version, digest)
-
-        if probe is not None:
-            t0 = time.perf_counter()
-            await handle.verify(ledger, transport, probe, version, previous=previous)
-            result.timings["verify"] = time.perf_counter() - t0
-            result.reason += "; verified through the engine"
+        result.bytes_moved, result.served_name = delivery.bytes_moved, delivery.served_name
+        try:
+            if payload is adapter and not (transport is self._disk and hashing.from_write) and (torn := hashing.changed()) is not None:
+                await handle.withdraw(ledger, transport, version, caps=caps, previous=previous)  # it read tensors that changed
+                raise hashing.error(torn, f"while {result.engine} loaded them")
+            path = self._files.path_of(version) if with_files or files else None
+            await handle.delivered(ledger, transport, version, digest, path=path, restore=path if files else payload)
+            if probe is not None:
+                t0 = time.perf_counter()
+                await handle.verify(ledger, transport, probe, version, previous=previous, caps=caps)
+                result.timings["verify"] = time.perf_counter() - t0
+                result.reason += "; verified through the engine"
+        except asyncio.CancelledError:
+            if probe is not None:  # cancelled before the probe passed: never leave unverified weights serving
+                await self._withdraw_cancelled(handle, ledger, transport, version, caps=caps, previous=previous)
+            raise
         result.status = "loaded"
         return transport if transport.versioned else None
 
+    async def _withdraw_cancelled(self, handle: EngineHandle, ledger: Ledger, transport: Transport, version: int, *, caps: Capabilities, previous: Any) -> None:
+        """Take a version whose verification was cancelled out of service (in place and merged:
+        the previous weights back), to its end even if cancelled again."""
+        try:
+            await finish(handle.withdraw(ledger, transport, version, caps=caps, previous=previous))
+        except asyncio.CancelledError:
+            pass  # it finished; the caller re-raises the cancel it is handling
+        except Exception as exc:  # noqa: BLE001 - the cancel goes on; say what is left serving
+            log.warning("%s: taking %s v%d out of service after its verification was cancelled failed (%s); publish again or unload it", handle.where, self.name, version, exc)
+
     async def _staged(self, adapter: Adapter, version: int) -> str:
         return (await self._disk.stage(adapter, self.name, version))[0]
-
-
-
-async def _aclose_all(engines: Iterable[Engine]) -> None:
-    for engine in engines:
-        await engine.aclose()

@@ -1,11 +1,19 @@
-"""PublishReport: what one publish did, per engine, with timings and typed errors."""
+"""PublishReport: what one publish did, per engine, with timings and typed errors.
+
+Both are plain dataclasses of plain values (``dataclasses.asdict``, ``copy.deepcopy`` and pickle
+work on every report); the handle on a background retirement still running is an attribute
+outside the fields, which none of those copy.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from lorasync.errors import LoraSyncError, PublishError
+
+if TYPE_CHECKING:
+    from lorasync._loop import Pending
 
 __all__ = ["EngineResult", "PublishReport"]
 
@@ -67,8 +75,9 @@ class PublishReport:
     nbytes: int
     results: list[EngineResult] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
-    # The retirement this publish left running (``Retention.background``): its future and loop.
-    _after: tuple[Any, Any] | None = field(default=None, repr=False, compare=False)
+    # The retirement this publish left running (``Retention.background``); set on the instance,
+    # never a field: no copy of the report (asdict, deepcopy, pickle) takes it along.
+    _after: ClassVar[Pending | None] = None
 
     def settled(self, timeout: float | None = None) -> PublishReport:
         """Wait until this publish's retirement of old versions (and collection of their files)
@@ -77,27 +86,29 @@ class PublishReport:
         The next publish, ``Publisher.collect`` and ``close`` wait for it anyway; call this only
         to look at the engine's state right after a publish.
 
+        A retirement stuck in an engine call is cancelled once the next publish (or ``collect``,
+        ``close``) has waited out its bound; it then says so in ``reason`` and lists what it left
+        loaded in ``deferred``.
+
         Raises:
-            RuntimeError: called on the event loop that runs it (use :meth:`asettled`).
+            BlockingCallError: called on an event loop the publisher's work needs (use
+                :meth:`asettled`). It is a ``RuntimeError`` too.
+            PublisherClosedError: called in a forked child (the retirement runs in the parent).
             TimeoutError: not finished within ``timeout`` seconds.
         """
-        from lorasync._loop import wait_done
-
         if self._after is not None:
-            wait_done(self._after[0], self._after[1], timeout)
+            self._after.wait(timeout)
         return self
 
     async def asettled(self) -> PublishReport:
         """Async twin of :meth:`settled`."""
-        import asyncio
-
-        if self._after is not None and not self._after[0].done():
-            await asyncio.wrap_future(self._after[0])
+        if self._after is not None:
+            await self._after.wait_async()
         return self
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state["_after"] = None  # a future does not leave its process
+        state.pop("_after", None)  # a future does not leave its process
         return state
 
     @property

@@ -22,11 +22,12 @@ request on it may still run or an engine may still reload it):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from lorasync.errors import ConfigError, LoraSyncWarning, StaleVersionError
 
-__all__ = ["Ledger", "Plan", "Retention", "RetentionWarning", "plan"]
+__all__ = ["LEARN", "Ledger", "Plan", "Retention", "RetentionWarning", "plan"]
 
 
 class RetentionWarning(LoraSyncWarning):
@@ -62,16 +63,17 @@ class Retention:
     background: bool = True
 
     def __post_init__(self) -> None:
-        if isinstance(self.keep, bool) or not isinstance(self.keep, int) or self.keep < 1:
-            raise ConfigError(f"keep must be an int >= 1 (versions kept loaded per engine), got {self.keep!r}")
-        if not isinstance(self.grace, (int, float)) or self.grace < 0:
-            raise ConfigError(f"grace must be a number of seconds >= 0, got {self.grace!r}")
-        if self.drain_timeout is not None and (not isinstance(self.drain_timeout, (int, float)) or self.drain_timeout < 0):
-            raise ConfigError(f"drain_timeout must be seconds >= 0 or None, got {self.drain_timeout!r}")
-        if isinstance(self.max_deferred, bool) or not isinstance(self.max_deferred, int) or self.max_deferred < 0:
-            raise ConfigError(f"max_deferred must be an int >= 0, got {self.max_deferred!r}")
-        if self.max_staleness is not None and (isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int) or self.max_staleness < 0):
-            raise ConfigError(f"max_staleness must be an int >= 0 or None, got {self.max_staleness!r}")
+        # Every number a user can get wrong, refused here with the fix: a NaN grace retired a
+        # version at once, a NaN drain_timeout never forced one; True is no count.
+        _count("keep", self.keep, minimum=1, what="versions kept loaded per engine, e.g. 2")
+        _seconds("grace", self.grace, what="seconds an old version stays when the engine cannot report requests, e.g. 1.0")
+        if self.drain_timeout is not None:
+            _seconds("drain_timeout", self.drain_timeout, what="seconds a version may wait for its requests, e.g. 600; None waits for ever")
+        _count("max_deferred", self.max_deferred, minimum=0, what="versions per engine waiting for their requests, e.g. 8")
+        if self.max_staleness is not None:
+            _count("max_staleness", self.max_staleness, minimum=0, what="versions behind the newest never retired, or None")
+        if not isinstance(self.background, bool):
+            raise ConfigError(f"background must be True or False, got {self.background!r}")
 
     def window(self, loaded: list[int], pins: set[int] | frozenset[int]) -> set[int]:
         """The versions of ``loaded`` that must stay: newest ``keep``, pinned, and not too stale."""
@@ -83,21 +85,60 @@ class Retention:
         return kept
 
 
+#: A source still to be read from the engine: the token it gives the tensor load just made.
+LEARN = "\0learn"
+
+
+def _count(name: str, value: object, *, minimum: int, what: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        kind = "a bool" if isinstance(value, bool) else type(value).__name__
+        raise ConfigError(f"{name} must be an int >= {minimum} ({what}), got {value!r} ({kind})")
+
+
+def check_timeout(timeout: object) -> None:
+    """A drain ``timeout`` given to ``retire``/``remove_engine``: None (the drain_timeout) or
+    seconds. Checked before anything starts: a NaN never expired (a lease held meant a retirement
+    that never ended) and a string failed with a TypeError halfway through.
+
+    Raises:
+        ConfigError: a bool, NaN, infinity, a negative number or not a number.
+    """
+    if timeout is not None:
+        _seconds("timeout", timeout, what="seconds to wait for requests and leases before unloading anyway; None: the drain_timeout")
+
+
+def _seconds(name: str, value: object, *, what: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        kind = "a bool" if isinstance(value, bool) else type(value).__name__
+        raise ConfigError(f"{name} must be a finite number >= 0 ({what}), got {value!r} ({kind})")
+
+
 @dataclass
 class Ledger:
-    """What a publisher knows about one engine (mutable; the publisher's lock guards it)."""
+    """What a publisher knows about one engine (mutable; the publisher's lock guards it).
+
+    A content hash in ``versions`` counts only while the engine serves the very load it was taken
+    of (design invariant 8): ``sources`` keeps where each of this publisher's loads came from (its
+    files, or the token the engine reported right after a tensor load), and
+    :meth:`EngineHandle.sync` drops a hash whose name the engine now serves from elsewhere.
+    """
 
     synced: bool = False  # ``versions`` was read from the engine since the last failure
     versions: dict[int, str | None] = field(default_factory=dict)  # loaded version -> content hash (None: unknown)
+    sources: dict[int, str] = field(default_factory=dict)  # version -> where the load this hash is of came from
     left_window: dict[int, float] = field(default_factory=dict)  # version -> when it left the window
     merged: tuple[int, str] | None = None  # (version, hash) merged into the base
-    in_place: tuple[int, str, object] | None = None  # (version, hash, adapter) served in place
+    # (version, hash, restore point) served in place: the version's files (a path), an owned copy,
+    # or the Adapter it was published from (restored only through a copy that still has the hash).
+    in_place: tuple[int, str, object] | None = None
+    in_place_source: str | None = None  # the engine's source of the in-place name after our swap
 
     def newest(self) -> int | None:
         return max(self.versions, default=None)
 
     def forget(self, version: int) -> None:
         self.versions.pop(version, None)
+        self.sources.pop(version, None)
         self.left_window.pop(version, None)
 
     def unchanged(self, *, versioned: bool, version: int, digest: str) -> bool:

@@ -20,7 +20,10 @@ Every message says what to do next.
     │   ├── GeometryError                    head counts, TP size and shapes do not fit
     │   ├── UnknownModuleError               a module name no rule translates
     │   └── InexactExportError               valid state no PEFT LoRA reproduces (DoRA, ...)
+    │       └── ExpertLayoutError (AdapterError)  fused-expert LoRA that has no exact per-expert form
     ├── ConfigError (ValueError)             bad options or configuration
+    │   ├── BlockingCallError (RuntimeError)  a blocking call where it would deadlock (names the async twin)
+    │   └── PublisherClosedError             the publisher was closed, or belongs to the parent of this fork
     ├── InvalidNameError (ValueError)        adapter names/versions unsafe as paths or ids
     ├── RegistryError                        engine registry problems
     │   ├── UnknownEngineError (KeyError)    no engine registered under that name
@@ -31,7 +34,7 @@ Every message says what to do next.
     │   │   └── EngineDeadError                        the engine process died (restart it)
     │   ├── EngineProtocolError              an answer lorasync cannot interpret
     │   │   └── UnsupportedEngineVersionError  an engine major version lorasync does not know
-    │   ├── AuthenticationError              401/403: wrong or missing API key
+    │   ├── AuthenticationError              401/403, or a client without its key here (unpickled)
     │   ├── RuntimeLoraDisabledError         runtime LoRA routes are switched off
     │   ├── LoraNotEnabledError              the engine was started without LoRA
     │   ├── CapabilityError                  the engine cannot do what was asked
@@ -48,9 +51,13 @@ Every message says what to do next.
     │   └── CudaIpcUnavailableError (RuntimeError)  this process cannot map the producer's GPU memory
     └── PublishError                         publisher-level refusals
         ├── StaleVersionError                an older version would replace a newer one
-        └── VerificationError                the engine does not reproduce the trainer's probe
+        ├── VerificationError                the engine does not reproduce the trainer's probe
+        └── AdapterChangedError              the trainer changed the tensors while the publish read them
 
-Warnings derive from ``LoraSyncWarning``.
+Warnings derive from ``LoraSyncWarning`` (a ``UserWarning``), never from ``LoraSyncError``:
+
+    LoraSyncWarning (UserWarning)
+    └── SlotLeakWarning                      an engine answered an unload but still holds the adapter
 """
 
 from __future__ import annotations
@@ -59,10 +66,12 @@ from typing import Any
 
 __all__ = [
     "AdapterAlreadyLoadedError",
+    "AdapterChangedError",
     "AdapterError",
     "AdapterNotFoundError",
     "AdapterRejectedError",
     "AuthenticationError",
+    "BlockingCallError",
     "CapabilityError",
     "CapacityError",
     "ConfigError",
@@ -74,6 +83,7 @@ __all__ = [
     "EngineProtocolError",
     "EngineTimeoutError",
     "EngineUnavailableError",
+    "ExpertLayoutError",
     "ExportError",
     "GeometryError",
     "IncompatibleAdapterError",
@@ -88,10 +98,12 @@ __all__ = [
     "NonFiniteError",
     "PaddedRankError",
     "PublishError",
+    "PublisherClosedError",
     "RankTooLargeError",
     "RegistryError",
     "RuntimeLoraDisabledError",
     "ShapeMismatchError",
+    "SlotLeakWarning",
     "StaleVersionError",
     "StorageError",
     "TransportError",
@@ -129,6 +141,26 @@ def _rebuild(cls: type[LoraSyncError], message: str, context: dict[str, Any]) ->
 
 class LoraSyncWarning(UserWarning):
     """Root of lorasync warnings."""
+
+
+class SlotLeakWarning(LoraSyncWarning):
+    """An engine answered an unload but still holds the adapter (its slot, its memory).
+
+    Attributes (on the warning's ``args[0]``-carrying instance): ``engine``, ``url``,
+    ``adapters`` (the served names still held).
+    """
+
+    def __init__(self, message: str = "", *, engine: str = "", url: str = "", adapters: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.engine, self.url, self.adapters = engine, url, tuple(adapters)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Keyword-only context survives pickling (warnings cross to Ray drivers and worker pools).
+        return (_rebuild_warning, (type(self), self.args[0] if self.args else "", self.engine, self.url, self.adapters))
+
+
+def _rebuild_warning(cls: type[SlotLeakWarning], message: str, engine: str, url: str, adapters: tuple[str, ...]) -> SlotLeakWarning:
+    return cls(message, engine=engine, url=url, adapters=adapters)
 
 
 # -- adapters -------------------------------------------------------------------------------
@@ -190,11 +222,28 @@ class InexactExportError(ExportError):
     (DoRA magnitudes, Megatron's expert fc2 at expert-TP > 1); refused rather than approximated."""
 
 
+class ExpertLayoutError(InexactExportError, AdapterError):
+    """PEFT ``target_parameters`` LoRA on fused MoE experts that lorasync cannot convert exactly into
+    one LoRA pair per expert (an unknown expert layout, shapes that do not split, a parameter no
+    engine serves as LoRA). Context: ``parameter``, the targeted parameter's path."""
+
+
 # -- configuration, names, registry ----------------------------------------------------------
 
 
 class ConfigError(LoraSyncError, ValueError):
     """Options or configuration values are invalid."""
+
+
+class BlockingCallError(ConfigError, RuntimeError):
+    """A blocking (sync) call made where it would deadlock or stall: on the event loop that runs
+    the publisher's async work, on a loop an engine needs (an AsyncLLM's), or from inside the
+    publisher's own call. The message names the async method to await instead."""
+
+
+class PublisherClosedError(ConfigError):
+    """The publisher was closed (or is being closed), or was made by the parent of this forked
+    process; make a new ``Publisher``."""
 
 
 class InvalidNameError(LoraSyncError, ValueError):
@@ -246,7 +295,8 @@ class UnsupportedEngineVersionError(EngineProtocolError):
 
 
 class AuthenticationError(EngineError):
-    """The engine rejected the credentials (HTTP 401/403)."""
+    """The engine rejected the credentials (HTTP 401/403), or a client lacks them in this process
+    (unpickled without its literal secret: ``status`` is None and nothing was sent)."""
 
 
 class RuntimeLoraDisabledError(EngineError):
@@ -320,3 +370,9 @@ class StaleVersionError(PublishError):
 
 class VerificationError(PublishError):
     """The engine's output for the probe differs from the trainer's reference."""
+
+
+class AdapterChangedError(PublishError):
+    """The adapter's tensors changed while the publish read them (a no-copy export that the
+    trainer stepped mid-publish): the torn version was taken out of service, nothing of it is
+    remembered as served. Publish between optimizer steps, or export with ``copy=True``."""

@@ -1,4 +1,5 @@
-"""Adapter-to-Adapter transforms: rank trimming, rank padding and engine-safe scaling.
+"""Adapter-to-Adapter transforms: rank trimming, rank padding, engine-safe scaling and completing
+MoE experts.
 
 Exporters trim; users (or engine clients) pad and normalize before an engine that needs it.
 Every transform leaves ``B·A·scale`` unchanged, so a transformed adapter serves exactly the
@@ -9,6 +10,8 @@ Multi-LoRA trainers allocate every slot at a max rank and zero the unused rows o
 of B. ``trim_rank`` slices them off (A on dim -2, B on dim -1, so packed ``[E, r, in]`` expert
 tensors work too) after proving they are exactly zero. ``normalize_scaling`` folds per-module
 scale differences into lora_B so one global ``lora_alpha / r`` is exact on every engine.
+``complete_experts`` gives every expert of a layer with expert LoRA all three projections (zero
+LoRA where the trainer had none), as vLLM's MoE packing requires.
 """
 
 from __future__ import annotations
@@ -20,10 +23,11 @@ import torch
 
 from lorasync._adapter import Adapter
 from lorasync._config import AdapterConfig
-from lorasync._keys import parse_peft_key, peft_key
+from lorasync._keys import parse_peft_key
+from lorasync._moe import LAYOUT, expert_module, group_experts
 from lorasync.errors import ConfigError, PaddedRankError, ShapeMismatchError
 
-__all__ = ["normalize_scaling", "pad_ranks", "trim_rank", "trim_tensor"]
+__all__ = ["complete_experts", "normalize_scaling", "pad_ranks", "trim_rank", "trim_tensor"]
 
 
 def trim_tensor(tensor: torch.Tensor, side: str, rank: int, *, name: str = "") -> torch.Tensor:
@@ -123,10 +127,10 @@ def normalize_scaling(adapter: Adapter) -> Adapter:
     tensors: dict[str, torch.Tensor] = {}
     for module in adapter.modules:
         a, b = adapter.pair(module)
-        tensors[peft_key(module, "A")] = a
+        tensors[adapter.key(module, "A")] = a
         if scales[module] != scale:
             b = (b.double() * (scales[module] / scale)).to(b.dtype)
-        tensors[peft_key(module, "B")] = b
+        tensors[adapter.key(module, "B")] = b
     return Adapter(tensors, new_config)
 
 
@@ -156,8 +160,8 @@ def pad_ranks(adapter: Adapter) -> Adapter:
         if extra:
             a = torch.cat([a, a.new_zeros(extra, a.shape[1])], dim=0)
             b = torch.cat([b, b.new_zeros(b.shape[0], extra)], dim=1)
-        tensors[peft_key(module, "A")] = a
-        tensors[peft_key(module, "B")] = b
+        tensors[adapter.key(module, "A")] = a
+        tensors[adapter.key(module, "B")] = b
     new_config = AdapterConfig(
         r=r,
         lora_alpha=config.global_scale * r,
@@ -181,3 +185,43 @@ def _uniform_config(config: AdapterConfig, ranks: Mapping[str, int], r: int, sca
     )
     exact = candidate.global_scale == scale and all(candidate.scale_for(m) == scale for m in ranks)
     return candidate if exact else None
+
+
+def complete_experts(adapter: Adapter) -> Adapter:
+    """An equivalent adapter in which every expert ``0..E-1`` of a layer with expert LoRA has
+    ``gate_proj``, ``up_proj`` and ``down_proj`` factors (``E``: one past the highest expert the
+    layer's LoRA names): the missing ones are zero, so every ``B·A`` is unchanged.
+
+    vLLM 0.32 packs a layer's expert LoRA only complete; PEFT ``target_parameters`` LoRA on
+    ``gate_up_proj`` alone, for one, exports without ``down_proj``.
+
+    Args:
+        adapter (`Adapter`): any adapter; returned as is when nothing is missing.
+
+    Returns:
+        `Adapter`: the completed adapter (same config: each added module gets the rank the config
+        gives it).
+    """
+    leaves = [leaf for rule in LAYOUT for leaf in rule.leaves]
+    layers: dict[str, dict[tuple[int, str], str]] = {}
+    for path, members in group_experts(adapter.modules).items():
+        layers.setdefault(path.rsplit(".", 1)[0], {}).update(members)
+    tensors = dict(adapter.tensors)
+    for owner, members in layers.items():
+        hidden = inter = 0
+        for (_, leaf), module in members.items():
+            a, b = adapter.pair(module)
+            hidden, inter = (b.shape[0], a.shape[1]) if leaf == "down_proj" else (a.shape[1], b.shape[0])
+        dtype = adapter.dtype
+        for expert in range(1 + max(e for e, _ in members)):
+            for leaf in leaves:
+                if (expert, leaf) in members:
+                    continue
+                module = expert_module(owner, expert, leaf)
+                rank = adapter.config.rank_for(module)
+                fan_in, fan_out = (inter, hidden) if leaf == "down_proj" else (hidden, inter)
+                tensors[adapter.key(module, "A")] = torch.zeros(rank, fan_in, dtype=dtype)
+                tensors[adapter.key(module, "B")] = torch.zeros(fan_out, rank, dtype=dtype)
+    if len(tensors) == len(adapter.tensors):
+        return adapter
+    return Adapter(tensors, adapter.config.with_(target_modules=()))

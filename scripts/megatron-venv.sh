@@ -19,14 +19,13 @@ TORCH_VERSION="${LORASYNC_MEGATRON_TORCH:-2.13.0}"
 cache="${LORASYNC_ENGINE_CACHE:-$HOME/.cache/lorasync}"
 venv="$cache/megatron-$MCORE_VERSION-bridge-$BRIDGE_VERSION"
 py="$venv/bin/python"
+label="megatron-venv"
+no_deps_of="megatron-bridge"  # installed with --no-deps: pip's resolver lists what it declares
+source "$(dirname "$0")/_venv-lib.sh"
 
 # `import megatron.bridge` itself needs transformer_engine, which the tests stand in for
-# (tests/megatron/peers/cpu_standins.py), so only its presence is checked here.
-check='import importlib.util, megatron.core, transformers, peft, torch; assert importlib.util.find_spec("megatron.bridge")'
-if [ -f "$venv/.ready" ] && "$py" -c "$check" >/dev/null 2>&1; then
-  echo "$py"
-  exit 0
-fi
+# (tests/megatron/peers/cpu_standins.py), so only its presence is checked.
+venv_cached "$(spec_check megatron.core megatron.bridge transformers peft torch)"
 
 base=""
 for candidate in python3.12 "$HOME/.pyenv/versions/3.12"*/bin/python3.12; do
@@ -36,22 +35,20 @@ for candidate in python3.12 "$HOME/.pyenv/versions/3.12"*/bin/python3.12; do
   fi
 done
 if [ -z "$base" ]; then
-  echo "megatron-venv: no Python 3.12 found (megatron-core >= 0.17 needs it)" >&2
+  echo "[$label] no Python 3.12 found (megatron-core >= 0.17 needs it): put python3.12 on PATH (or install it with pyenv) and run this again" >&2
   exit 1
 fi
 
-echo "building Megatron venv at $venv with $base" >&2
-rm -rf "$venv"
-mkdir -p "$cache"
-"$base" -m venv "$venv"
-pipq() { "$py" -m pip install -q "$@" 2>&1 | grep -v "is ignored" >&2 || true; }
-pipq --upgrade pip
-pipq "torch==$TORCH_VERSION"
-pipq "megatron-core==$MCORE_VERSION" "torch==$TORCH_VERSION"
-pipq --no-deps "megatron-bridge==$BRIDGE_VERSION"
+venv_begin "$base"
+step "1/4 torch $TORCH_VERSION for Python 3.12 (from PyPI: the CUDA build, about 4.6 GB with its nvidia-* libraries and triton; it runs on CPU too)"
+pip_install "torch==$TORCH_VERSION"
+step "2/4 megatron-core $MCORE_VERSION"
+pip_install "megatron-core==$MCORE_VERSION" "torch==$TORCH_VERSION"
+step "3/4 megatron-bridge $BRIDGE_VERSION (no deps) and what its LoRA and conversion code imports"
+pip_install --no-deps "megatron-bridge==$BRIDGE_VERSION"
 # What megatron.bridge's model conversion and PEFT modules import (not its training extras).
-pipq "torch==$TORCH_VERSION" "transformers>=5.8,<=5.12.1" "peft>=0.18.1" accelerate einops omegaconf \
+pip_install "torch==$TORCH_VERSION" "transformers>=5.8,<=5.12.1" "peft>=0.18.1" accelerate einops omegaconf \
   "hydra-core>=1.3.4,<1.4" pyyaml tqdm rich regex six safetensors tenacity typing-extensions
-"$py" -c "$check; print('megatron-core', megatron.core.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__, 'torch', torch.__version__)" >&2
-touch "$venv/.ready"
-echo "$py"
+step "4/4 checking the imports"
+versions="$("$py" -c "import importlib.util, megatron.core, transformers, peft, torch; assert importlib.util.find_spec('megatron.bridge'); print('megatron-core', megatron.core.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__, 'torch', torch.__version__)")"
+venv_ready "Megatron venv, Python 3.12 ($versions)"

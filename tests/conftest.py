@@ -20,22 +20,40 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 # -- real vLLM server (tests marked @pytest.mark.vllm) --------------------------------------------
 
 
-@pytest.fixture(scope="session")
-def vllm_python() -> Path:
-    """The vLLM engine venv's python; skips (or fails with LORASYNC_REQUIRE_VLLM=1) when missing."""
+def ready_engine_python(engine: str, require_variable: str) -> Path:
+    """The ready python of ``engine``'s venv (``lorasync.testing.venvs``: the ready marker, not
+    just a file); skips with what to run, or fails when ``require_variable`` is ``1`` (CI)."""
     import os
 
-    from lorasync.testing.vllm_server import vllm_python as find
+    from lorasync.testing.venvs import engine_venv
 
-    python = find()
-    if not python.exists():
-        message = (
-            f"vLLM engine python {python} not found; run scripts/engine-venv.sh and set LORASYNC_VLLM_PYTHON"
-        )
-        if os.environ.get("LORASYNC_REQUIRE_VLLM") == "1":
-            pytest.fail(message)
-        pytest.skip(message)
-    return python
+    venv = engine_venv(engine)
+    if not venv.ready:
+        if os.environ.get(require_variable) == "1":
+            pytest.fail(venv.problem or "", pytrace=False)
+        pytest.skip(venv.problem or "")
+    return venv.python
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> Path:
+    """The vLLM engine venv's python; skips (or fails with LORASYNC_REQUIRE_VLLM=1) when it is
+    missing or half-built."""
+    return ready_engine_python("vllm", "LORASYNC_REQUIRE_VLLM")
+
+
+@pytest.fixture(scope="session")
+def sglang_python() -> Path:
+    """The SGLang venv's python; skips (or fails with LORASYNC_REQUIRE_SGLANG=1) when it is
+    missing or half-built."""
+    return ready_engine_python("sglang", "LORASYNC_REQUIRE_SGLANG")
+
+
+@pytest.fixture(scope="session")
+def megatron_python() -> Path:
+    """The Megatron venv's python; skips (or fails with LORASYNC_REQUIRE_MEGATRON=1) when it is
+    missing or half-built."""
+    return ready_engine_python("megatron", "LORASYNC_REQUIRE_MEGATRON")
 
 
 @pytest.fixture(scope="session")
@@ -54,3 +72,16 @@ def vllm_server(vllm_python: Path, tiny_model_dir: Path, tmp_path_factory: pytes
         extra_args=("--worker-extension-cls", "lorasync.engines.vllm_worker.LoraSyncWorkerExtension"),
     ) as server:
         yield server
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Count how issue 28's regression tests ended (tests/reliability/_findings.py), for the
+    reliability table's rows per class of finding. Here, not in tests/reliability: they live in
+    several folders, and a folder's conftest sees only its own tests."""
+    if report.when == "teardown" or (report.when == "setup" and report.passed):
+        return
+    from reliability._figures import record_finding_test  # tests/ is on sys.path: one module for both conftests
+    from reliability._findings import class_of_test
+
+    for klass in class_of_test(report.nodeid):
+        record_finding_test(klass, report.outcome)

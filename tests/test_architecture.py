@@ -24,10 +24,10 @@ PACKAGE = Path(lorasync.__file__).resolve().parent
 FLOORS: list[tuple[str, ...]] = [
     ("errors",),
     ("wire",),  # the byte formats (may not exist yet on every branch)
-    ("_names", "_keys", "_config", "_retry", "_collectives", "_retention", "_loop"),
+    ("_names", "_keys", "_config", "_moe", "_moe_peft", "_retry", "_collectives", "_retention", "_loop", "_background", "_lifecycle"),
     ("_adapter", "_probe", "_report", "transforms"),
     ("exporters", "transports", "engines"),
-    ("distributed", "_publish", "_api", "_handle", "_files", "_select", "_digest", "_aftercare", "inspection"),
+    ("distributed", "_publish", "_session", "_api", "_handle", "_capacity", "_leaks", "_files", "_select", "_digest", "_aftercare", "_fleet", "_fleet_engines", "_fleet_plan", "_fleet_round", "_fleet_hash", "_tenant", "inspection"),
     ("cli", "integrations", "testing", "__main__", "__init__"),
 ]
 

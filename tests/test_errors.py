@@ -10,7 +10,8 @@ import lorasync.errors as errors
 from lorasync.errors import LoraSyncError, LoraSyncWarning
 
 CLASSES = [getattr(errors, name) for name in errors.__all__]
-ERRORS = [cls for cls in CLASSES if cls is not LoraSyncWarning]
+WARNINGS = [cls for cls in CLASSES if issubclass(cls, LoraSyncWarning)]
+ERRORS = [cls for cls in CLASSES if cls not in WARNINGS]
 
 
 @pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__name__)
@@ -19,6 +20,12 @@ def test_pickle_round_trip_keeps_type_message_and_context(cls: type) -> None:
         err = cls("adapter 'x' published without verification")
         back = pickle.loads(pickle.dumps(err))
         assert type(back) is cls and back.args == err.args
+        return
+    if issubclass(cls, LoraSyncWarning):
+        err = cls("engine 'vllm' still holds 'p@v1' after its unload", engine="vllm", url="http://127.0.0.1:1", adapters=("p@v1",))
+        back = pickle.loads(pickle.dumps(err))
+        assert type(back) is cls and back.args == err.args
+        assert (back.engine, back.url, back.adapters) == ("vllm", "http://127.0.0.1:1", ("p@v1",))
         return
     err = cls(
         "engine 'vllm' at http://127.0.0.1:1 refused adapter 'policy@v3'; retry later",
@@ -48,9 +55,10 @@ def test_every_error_is_a_lorasync_error(cls: type) -> None:
         raise cls("boom")
 
 
-def test_warnings_have_their_own_root() -> None:
-    assert issubclass(LoraSyncWarning, UserWarning)
-    assert not issubclass(LoraSyncWarning, LoraSyncError)
+@pytest.mark.parametrize("cls", WARNINGS, ids=lambda c: c.__name__)
+def test_warnings_have_their_own_root(cls: type) -> None:
+    assert issubclass(cls, LoraSyncWarning) and issubclass(cls, UserWarning)
+    assert not issubclass(cls, LoraSyncError)
 
 
 @pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__name__)

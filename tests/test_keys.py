@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lorasync._keys import normalize_trainer_key, parse_peft_key, peft_key
+from lorasync._keys import is_embedding_key, normalize_trainer_key, parse_peft_key, peft_key, split_saved_key
 from lorasync.errors import InvalidKeyError
 
 WRAPPERS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
@@ -63,7 +63,7 @@ def non_lora_names(draw: st.DrawFn) -> tuple[str, str]:
                 [*module, f"lora_{side}", adapter, "bias"],  # LoRA bias (lora_bias=True)
                 [*module, "modules_to_save", adapter, "weight"],  # a full module copy
                 [*module, "original_module", "weight"],
-                [*module, f"lora_embedding_{side}", adapter],  # embedding LoRA (a ParameterDict)
+                [*module, f"lora_embedding_{side}", other],  # another adapter's embedding LoRA
                 ["model", "embed_tokens", "weight"],
                 ["model", "embed_tokens", "base_layer", "weight"],
                 ["lm_head", "weight"],
@@ -79,20 +79,43 @@ def non_lora_names(draw: st.DrawFn) -> tuple[str, str]:
 @given(lora_names())
 def test_normalize_recovers_module_and_side(case: tuple[str, str, str, str]) -> None:
     name, adapter, module, side = case
-    assert normalize_trainer_key(name, adapter) == (module, side)
+    assert normalize_trainer_key(name, adapter) == peft_key(module, side)  # type: ignore[arg-type]
+
+
+@st.composite
+def embedding_names(draw: st.DrawFn) -> tuple[str, str, str, str]:
+    """(decorated name, adapter name, module, side) of one embedding LoRA factor: PEFT keeps
+    ``lora_embedding_A/B`` in a ParameterDict (``...lora_embedding_A.<adapter>``, saved without it)."""
+    module = draw(module_paths)
+    side = draw(sides)
+    adapter = draw(adapter_names)
+    tail = [f"lora_embedding_{side}", adapter] if draw(st.booleans()) else [f"lora_embedding_{side}"]
+    return draw(decorate([*module, *tail])), adapter, ".".join(module), side
+
+
+@settings(max_examples=200, deadline=None)
+@given(embedding_names())
+def test_normalize_keeps_embedding_factors(case: tuple[str, str, str, str]) -> None:
+    # Regression (issue 28 item 6): these were dropped, so an embed_tokens LoRA went unserved.
+    name, adapter, module, side = case
+    key = normalize_trainer_key(name, adapter)
+    assert key == f"base_model.model.{module}.lora_embedding_{side}"
+    assert key == peft_key(module, side, embedding=True)  # type: ignore[arg-type]
+    assert parse_peft_key(key) == (module, side) and is_embedding_key(key)
+    assert split_saved_key(key) == (module, side, None)
+    assert split_saved_key(f"{key}.{adapter}") == (module, side, adapter)
 
 
 @settings(max_examples=200, deadline=None)
 @given(lora_names(), adapter_names)
 def test_normalize_is_idempotent(case: tuple[str, str, str, str], any_adapter: str) -> None:
     name, adapter, _, _ = case
-    parsed = normalize_trainer_key(name, adapter)
-    assert parsed is not None
-    canonical = peft_key(*parsed)
+    canonical = normalize_trainer_key(name, adapter)
+    assert canonical is not None
     # The canonical key carries no adapter segment: it normalises to itself for any adapter.
-    assert normalize_trainer_key(canonical, adapter) == parsed
-    assert normalize_trainer_key(canonical, any_adapter) == parsed
-    assert parse_peft_key(canonical) == parsed
+    assert normalize_trainer_key(canonical, adapter) == canonical
+    assert normalize_trainer_key(canonical, any_adapter) == canonical
+    assert peft_key(*parse_peft_key(canonical)) == canonical and not is_embedding_key(canonical)
 
 
 @settings(max_examples=200, deadline=None)
@@ -143,7 +166,7 @@ def test_normalize_never_keeps_non_lora_or_other_adapter_keys(case: tuple[str, s
     ],
 )
 def test_normalize_known_trainer_names(name: str, adapter: str, expected: tuple[str, str] | None) -> None:
-    assert normalize_trainer_key(name, adapter) == expected
+    assert normalize_trainer_key(name, adapter) == (peft_key(*expected) if expected else None)  # type: ignore[misc]
 
 
 @settings(max_examples=200, deadline=None)

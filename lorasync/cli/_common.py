@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import sys
 from typing import Any
 
@@ -109,11 +110,27 @@ json_stream: Any = None
 
 
 def emit(payload: Any, *, as_json: bool, text: str | None = None, quiet: bool = False) -> None:
-    """Print ``payload`` as JSON, or ``text`` for people (nothing with ``-q``)."""
+    """Print ``payload`` as strict JSON, or ``text`` for people (nothing with ``-q``).
+
+    NaN and infinities (a config's ``lora_alpha: NaN``) are written as the strings ``"NaN"``,
+    ``"Infinity"`` and ``"-Infinity"``: Python's bare ``NaN`` is no JSON, and strict parsers
+    (``jq``, JavaScript, Go) refuse the whole document.
+    """
     if as_json:
-        print(json.dumps(payload, indent=2, default=str), file=json_stream or sys.stdout, flush=True)
+        print(json.dumps(_finite(payload), indent=2, default=str, allow_nan=False), file=json_stream or sys.stdout, flush=True)
     elif text is not None and not quiet:
         print(text)
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with every non-finite float replaced by its JSON-ish name (containers copied)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {_finite(k) if isinstance(k, float) else k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def validate_engine_specs(specs: list[str]) -> list[str]:

@@ -122,7 +122,7 @@ def _run(specs: list[str], base: str | None, steps: int, name: str, transport: s
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    warnings.filterwarnings("ignore", category=FutureWarning)
+    _quiet_deepspeed_banner()
 
     from lorasync import Probe, Publisher
     from lorasync._names import parse_served_name
@@ -141,7 +141,11 @@ def _run(specs: list[str], base: str | None, steps: int, name: str, transport: s
     start = max((v for parsed in served if parsed and parsed[0] == name for v in [parsed[1]]), default=0)
     if start:
         say(f"the engines already serve {name}@v{start}; this run publishes v{start + 1}..v{start + steps}")
-    trainer = make_peft_model(AutoModelForCausalLM.from_pretrained(base), r=8, alpha=16, std=0.02)
+    with warnings.catch_warnings():
+        # peft's get_peft_model reads transformers' deprecated is_gradient_checkpointing (peft
+        # 0.21 with transformers 5.2x): their debt, not the user's; only that warning is dropped.
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        trainer = make_peft_model(AutoModelForCausalLM.from_pretrained(base), r=8, alpha=16, std=0.02)
     publisher = Publisher(clients, name=name, transport=transport, root=root or str(workdir / "adapters"), base=base, keep=2)
 
     # A toy objective: make the model continue a fixed prompt with a fixed target sequence.
@@ -182,3 +186,17 @@ def _run(specs: list[str], base: str | None, steps: int, name: str, transport: s
     if run.reports and all(r.ok for r in run.reports):
         say("\nall engines serve exactly the trained weights")
     return run
+
+
+class _DropCpuBanner(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Setting accelerator to CPU")
+
+
+def _quiet_deepspeed_banner() -> None:
+    """Drop deepspeed's "Setting accelerator to CPU" banner (its logger ``DeepSpeed``), which it
+    logs when accelerate's ``save_pretrained`` path imports it on a machine without a GPU: the
+    demo runs on CPU on purpose. Its other messages stay."""
+    ds = logging.getLogger("DeepSpeed")  # deepspeed configures this same logger when imported
+    if not any(isinstance(f, _DropCpuBanner) for f in ds.filters):
+        ds.addFilter(_DropCpuBanner())

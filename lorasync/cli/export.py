@@ -6,7 +6,10 @@ The main CLI calls :func:`register` with its sub-parser collection; the parsed n
 Shard files are found with a pattern whose placeholders ``{tp}``, ``{pp}``, ``{ep}`` and ``{vp}``
 take Python format specs, e.g. ``ckpt/mp_rank_{tp:02d}_{pp:03d}.safetensors``. A file counts only
 if formatting the pattern with the ranks parsed from its name gives the name back, so
-``mp_rank_1_000`` does not match ``{tp:02d}``.
+``mp_rank_1_000`` does not match ``{tp:02d}``. Everything else in the pattern is literal (glob
+characters included); a literal brace is written ``{{`` or ``}}``. A malformed pattern (unbalanced
+brace, another placeholder, a spec such as ``{tp:s}`` that cannot write an int as digits) is a
+:class:`~lorasync.errors.ConfigError`, never a traceback.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import argparse
 import glob
 import re
+import string
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,7 +29,7 @@ if TYPE_CHECKING:
 
 __all__ = ["load_shard", "register", "run_megatron", "shard_files"]
 
-_FIELD = re.compile(r"\{(tp|pp|ep|vp)(?::([^{}]*))?\}")
+_PLACEHOLDERS = ("tp", "pp", "ep", "vp")
 _DTYPES = ("float32", "bfloat16", "float16")  # torch dtype names; torch loads only when a command runs
 
 
@@ -50,7 +54,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--lora-type", choices=("lora", "canonical_lora"), default="lora")
     p.add_argument("--slot", type=int, default=None, help="MultiLoRA slot to export (adapters.{slot})")
     p.add_argument("--layer-offsets", default=None, metavar="N,N,...",
-                   help="first global layer of each PP stage (uneven pipelines); default: even split")
+                   help="first global layer of each PP stage in PP-rank order, starting at 0, e.g. 0,3 for "
+                   "3+2 layers (uneven pipelines); default: even split")
     p.add_argument("--tp-size", type=int, default=None, help="expected TP size (detects missing trailing ranks)")
     p.add_argument("--pp-size", type=int, default=None, help="expected PP size")
     p.add_argument("--ep-size", type=int, default=None, help="expected EP size")
@@ -67,14 +72,20 @@ def run_megatron(args: argparse.Namespace) -> int:
 
     Raises:
         MissingShardError: no file matches the pattern.
-        StorageError: a file cannot be read or the output cannot be written.
-        ConfigError: a bad option value.
+        StorageError: a file cannot be read (not safetensors, truncated, a directory) or the
+            output cannot be written.
+        ConfigError: a bad option value or a malformed ``--shards`` pattern.
         ExportError: anything :func:`lorasync.exporters.megatron.export` refuses.
+
+    Every failure is one of these lorasync errors, so the main CLI reports it with exit code 2
+    (bad input) and, with ``--json``, as a JSON document.
     """
     import torch
 
     from lorasync.exporters.megatron import ShardKey, export
 
+    if not str(args.out).strip():  # an unset shell variable: would write into the working directory
+        raise ConfigError("--out is empty; pass the directory to write the adapter into")
     offsets = None
     if args.layer_offsets:
         try:
@@ -83,7 +94,7 @@ def run_megatron(args: argparse.Namespace) -> int:
             raise ConfigError(f"--layer-offsets must be comma-separated integers, got {args.layer_offsets!r}") from exc
     files = shard_files(args.shards)
     shards: dict[ShardKey, Mapping[str, torch.Tensor]] = {}
-    vp_in_pattern = "{vp" in args.shards
+    vp_in_pattern = any(field == "vp" for _, field in _pattern_fields(args.shards))
     for key, path in files.items():
         for vp, state in enumerate(load_shard(path, split_chunks=not vp_in_pattern)):
             shards[ShardKey(pp=key.pp, tp=key.tp, ep=key.ep, vp=key.vp if vp_in_pattern else vp)] = state
@@ -120,29 +131,72 @@ def shard_files(pattern: str) -> dict[Any, Path]:
     """Files matching ``pattern``, keyed by ``ShardKey``.
 
     Raises:
+        ConfigError: a malformed pattern: an unbalanced brace, a placeholder other than
+            ``{tp}``/``{pp}``/``{ep}``/``{vp}``, or a format spec that does not write an int as digits.
         MissingShardError: no file matches.
     """
     from lorasync.exporters.megatron import ShardKey
 
-    regex_parts, last = [], 0
-    for match in _FIELD.finditer(pattern):
-        regex_parts.append(re.escape(pattern[last : match.start()]))
-        regex_parts.append(rf"(?P<{match[1]}>\d+)")
-        last = match.end()
-    regex_parts.append(re.escape(pattern[last:]))
+    fields = _pattern_fields(pattern)
+    globbed, regex_parts, named = [], [], set()
+    for literal, field in fields:
+        globbed.append(glob.escape(literal))
+        regex_parts.append(re.escape(literal))
+        if field is not None:
+            globbed.append("*")
+            # a repeated placeholder matches digits again; formatting the name back checks it agrees
+            regex_parts.append(r"\d+" if field in named else rf"(?P<{field}>\d+)")
+            named.add(field)
     regex = re.compile("".join(regex_parts))
     found: dict[Any, Path] = {}
-    for name in sorted(glob.glob(_FIELD.sub("*", pattern))):
+    for name in sorted(glob.glob("".join(globbed))):
         match = regex.fullmatch(name)
         if match is None:
             continue
         ranks = {k: int(v) for k, v in match.groupdict().items()}
-        if pattern.format(**{f: ranks.get(f, 0) for f in ("tp", "pp", "ep", "vp")}) != name:
+        if pattern.format(**{f: ranks.get(f, 0) for f in _PLACEHOLDERS}) != name:
             continue  # e.g. unpadded numbers where the pattern asks for {tp:02d}
         found[ShardKey(**ranks)] = Path(name)
     if not found:
-        raise MissingShardError(f"no file matches {pattern!r}; placeholders are {{tp}}, {{pp}}, {{ep}}, {{vp}}")
+        raise MissingShardError(
+            f"no file matches --shards {pattern!r} (looked for {''.join(globbed)!r}); placeholders are "
+            "{tp}, {pp}, {ep}, {vp}, e.g. 'ckpt/mp_rank_{tp:02d}_{pp:03d}.safetensors'"
+        )
     return found
+
+
+def _pattern_fields(pattern: str) -> list[tuple[str, str | None]]:
+    """``pattern`` as (literal text, placeholder or None) pairs, every placeholder checked.
+
+    Raises:
+        ConfigError: naming the bad part and the form to write instead.
+    """
+    form = "placeholders are {tp}, {pp}, {ep}, {vp} with an optional int format spec such as {tp:02d}; write a literal brace as {{ or }}"
+    try:
+        parts = list(string.Formatter().parse(pattern))
+    except ValueError as exc:  # unbalanced braces
+        raise ConfigError(f"--shards {pattern!r} is not a valid pattern ({exc}); {form}") from exc
+    out: list[tuple[str, str | None]] = []
+    for literal, field, spec, conversion in parts:
+        if field is not None:
+            shown = "{" + field + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "") + "}"
+            if field not in _PLACEHOLDERS or conversion:
+                raise ConfigError(f"--shards {pattern!r} has the placeholder {shown}; {form}")
+            _check_spec(pattern, shown, spec or "", form)
+        out.append((literal, field))
+    return out
+
+
+def _check_spec(pattern: str, shown: str, spec: str, form: str) -> None:
+    for n in (0, 7, 10, 123):
+        try:
+            text = format(n, spec)
+        except ValueError as exc:  # e.g. {tp:s}: "Unknown format code 's' for object of type 'int'"
+            raise ConfigError(f"--shards {pattern!r}: {shown} cannot format a rank ({exc}); {form}") from exc
+        if not (text.isascii() and text.isdigit() and int(text) == n):
+            raise ConfigError(
+                f"--shards {pattern!r}: {shown} writes rank {n} as {text!r}, not as its decimal digits; {form}"
+            )
 
 
 def load_shard(path: Path, *, split_chunks: bool = True) -> list[dict[str, torch.Tensor]]:

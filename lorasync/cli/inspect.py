@@ -1,6 +1,10 @@
 """``lorasync inspect DIR``: what PEFT, vLLM and SGLang would do with an adapter directory.
 
-Exit code 1 when an engine would refuse the adapter, 2 when DIR does not exist.
+Exit code 0 when every engine loads it; 1 when an engine, or lorasync itself (what ``publish``
+refuses), would refuse it; 2 when DIR cannot be read as an adapter: missing or not a directory, an
+adapter_config.json that is not a JSON object with PEFT's field types, an adapter_model.safetensors
+that is not valid safetensors or holds a factor that is not 2-D, a directory, FIFO or device where
+either file belongs. With --json every outcome is one strict JSON document (NaN written "NaN").
 """
 
 from __future__ import annotations
@@ -33,7 +37,11 @@ def _main(args: argparse.Namespace) -> int:
     if not path.exists():
         raise ConfigError(f"{path} does not exist; pass an adapter directory (adapter_config.json + adapter_model.safetensors)")
     if not path.is_dir():
-        raise ConfigError(f"{path} is a file; pass the adapter directory that holds it")
+        kind = "a file" if path.is_file() else "not a directory"
+        raise ConfigError(f"{path} is {kind}; pass the adapter directory (the one holding adapter_config.json)")
+    for option, value in (("--vllm-max-rank", args.vllm_max_rank), ("--sglang-max-rank", args.sglang_max_rank)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{option} must be a positive integer (the server's --max-lora-rank), got {value}")
     report = inspect_adapter(path, vllm_max_rank=args.vllm_max_rank, sglang_max_rank=args.sglang_max_rank)
     code = OK if all(report.verdict(e) != "refused" for e in ENGINES) else REFUSED
     payload = {**dataclasses.asdict(report), "verdicts": {e: report.verdict(e) for e in ENGINES}, "ok": code == OK, "exit_code": code}

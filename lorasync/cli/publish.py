@@ -22,7 +22,7 @@ def register(sub: Any) -> None:
     p.add_argument("--version", required=True, type=int, help="monotonic version (e.g. the trainer step)")
     p.add_argument("--transport", default="auto", choices=("auto", "disk", "ipc", "merged"))
     p.add_argument("--keep", type=int, default=2, help="versions kept loaded per engine (default 2)")
-    p.add_argument("--root", metavar="DIR", help="disk transport root (default /dev/shm/lorasync)")
+    p.add_argument("--root", metavar="DIR", help="disk transport root (default /dev/shm/lorasync-<uid>, per user)")
     p.add_argument("--base", metavar="DIR", help="pristine base checkpoint (enables the merged fallback)")
     p.set_defaults(func=_main)
 

@@ -6,13 +6,19 @@ adapter once, one rank per node (the node *leader*) receives it, writes it under
 root and publishes it to that node's engines with an ordinary :class:`~lorasync.Publisher`.
 Every leader's results come back to ``src`` as one :class:`DistributedPublishReport`.
 
-Modules: :mod:`.publisher` (the protocol), :mod:`._roles` (nodes, leaders, agreement checks),
+:class:`DistributedFleet` does the same for many adapters trained at once (multi-LoRA): one
+leader per node serves every tenant through a node-local :class:`~lorasync.Fleet`.
+
+Modules: :mod:`.publisher` (the protocol), :mod:`.fleet` (the multi-LoRA one, reported by
+:mod:`._fleet_report`), :mod:`._roles` (nodes, leaders, agreement checks),
 :mod:`._wire` (adapter, result and error encodings, no pickle), :mod:`._report` (what comes
 back). The JSON collectives are :mod:`lorasync._collectives`, shared with the Megatron exporter.
 """
 
+from lorasync.distributed._fleet_report import DistributedFleetReport
 from lorasync.distributed._report import DistributedPublishReport, NodeResult
 from lorasync.distributed._wire import decode_adapter, encode_adapter
+from lorasync.distributed.fleet import DistributedFleet
 from lorasync.distributed.publisher import DistributedPublisher
 
-__all__ = ["DistributedPublishReport", "DistributedPublisher", "NodeResult", "decode_adapter", "encode_adapter"]
+__all__ = ["DistributedFleet", "DistributedFleetReport", "DistributedPublishReport", "DistributedPublisher", "NodeResult", "decode_adapter", "encode_adapter"]

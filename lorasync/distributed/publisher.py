@@ -13,6 +13,9 @@ Protocol of one :meth:`DistributedPublisher.publish` (every rank of ``group`` ca
    encodes its results as JSON. Any failure there becomes failed results for that node's engines,
    never an exception, so the protocol always completes and other nodes are not held up.
 5. Results are gathered to ``src`` (lengths first, then padded ``uint8`` buffers).
+6. With ``on_error="raise"``, ``src`` broadcasts its report's failure over ``group``
+   (:mod:`._agree`) and every rank raises the same typed error, so none goes on alone into the
+   next collective.
 
 With NCCL every buffer lives on the current CUDA device; with gloo on the CPU.
 """
@@ -36,8 +39,9 @@ from lorasync._probe import Probe
 from lorasync._publish import Publisher
 from lorasync._select import TRANSPORTS
 from lorasync._report import EngineResult
+from lorasync.distributed._agree import agree_on_error
 from lorasync.distributed._report import DistributedPublishReport, NodeResult, decode_node, encode_node
-from lorasync.distributed._roles import default_leader, default_node, resolve, version_mismatch
+from lorasync.distributed._roles import check_options, default_leader, default_node, leaders_group, resolve, version_mismatch
 from lorasync.distributed._wire import decode_adapter, decode_error, encode_adapter, encode_error
 from lorasync.engines._engine import Engine
 from lorasync.errors import ConfigError, LoraSyncError, PublishError, TransportError
@@ -48,6 +52,7 @@ __all__ = ["LOCAL_TRANSPORTS", "DistributedPublisher"]
 # needs base weights on every node.
 LOCAL_TRANSPORTS = tuple(t for t in TRANSPORTS if t != "merged")
 _OK, _REFUSED = 0, 1
+_ON_ERROR = ("report", "raise")
 
 
 class DistributedPublisher:
@@ -70,7 +75,7 @@ class DistributedPublisher:
         is_leader (`bool`, *optional*): whether this rank leads its node. Default:
             ``$LOCAL_RANK == 0`` when set, else the node's lowest rank.
         root (`str | os.PathLike`, *optional*): node-local disk root of this leader's versions
-            (default ``/dev/shm/lorasync``, tmpfs).
+            (default ``/dev/shm/lorasync-<uid>``, tmpfs, per user).
         keep (`int`): versions each engine keeps loaded.
         transport (`str`): ``"auto"``, ``"disk"`` or ``"ipc"`` for this leader's engines.
         src (`int`): global rank that holds the adapter and receives the report.
@@ -78,11 +83,15 @@ class DistributedPublisher:
             through every engine after loading.
         timeout (`datetime.timedelta`, *optional*): timeout of the leaders' group; it must exceed
             the slowest node's local publish (engine retries included). Default: torch's.
+        on_error (`str`): ``"report"`` (default: engine failures are in ``src``'s report, no rank
+            raises) or ``"raise"``: when any engine failed, every rank of ``group`` raises the same
+            typed error (one more small broadcast per publish), so no rank is left waiting in
+            the next collective for one that raised.
 
     Raises:
         ConfigError: torch.distributed is not initialised, or the ranks' configuration does not fit
             (no or several leaders on a node, engines on a non-leader, different names or ``src``,
-            no engines anywhere). Raised on every rank.
+            no engines anywhere, different ``on_error``). Raised on every rank.
         InvalidNameError: a bad ``name``, on every rank.
 
     Example:
@@ -106,6 +115,7 @@ class DistributedPublisher:
         src: int = 0,
         verify: Probe | None = None,
         timeout: datetime.timedelta | None = None,
+        on_error: str = "report",
     ) -> None:
         import torch.distributed as dist
 
@@ -114,6 +124,7 @@ class DistributedPublisher:
         self.group = group
         self.src = src
         self.verify = verify
+        self.on_error = on_error
         self.rank = int(dist.get_rank())
         self._device = collective_device(dist, group)
         if isinstance(engines, (Engine, str)):
@@ -121,9 +132,13 @@ class DistributedPublisher:
         engines = list(engines)
         self.node_id = str(node_id) if node_id is not None else default_node(self.rank)
         self._local: Publisher | None = None
+        self._last_local: Any = None  # this leader's last node-local PublishReport
         problem: dict[str, Any] | None = None
         try:  # a local mistake must reach every rank, or the others would wait for this one
             self.name = validate_name(name)
+            check_options(src=src, is_leader=is_leader, verify=verify, timeout=timeout)
+            if on_error not in _ON_ERROR:
+                raise ConfigError(f"on_error must be one of {_ON_ERROR}, got {on_error!r}")
             if transport not in LOCAL_TRANSPORTS:
                 raise ConfigError(
                     f"transport must be one of {LOCAL_TRANSPORTS} for node-local engines, got {transport!r} "
@@ -136,10 +151,11 @@ class DistributedPublisher:
         role = {
             "rank": self.rank,
             "node": self.node_id,
-            "leader": default_leader() if is_leader is None else bool(is_leader),
+            "leader": default_leader() if is_leader is None else is_leader is True,
             "engines": len(engines),
             "name": name if isinstance(name, str) else repr(name),
             "src": src,
+            "on_error": on_error if isinstance(on_error, str) else repr(on_error),
             "problem": problem,
         }
         try:
@@ -149,18 +165,10 @@ class DistributedPublisher:
         self.leaders, members = resolve(everyone, src)
         self.is_leader = self.leaders.get(self.node_id) == self.rank
         self.members = members
-        self._sub: Any = None
-        if len(members) > 1:
-            try:
-                if group is None or group is dist.group.WORLD:
-                    sub = dist.new_group(members, timeout=timeout)  # every rank of the job calls
-                elif self.rank in members:
-                    sub = dist.new_group(members, timeout=timeout, use_local_synchronization=True)
-                else:
-                    sub = None
-            except RuntimeError as exc:
-                raise _collective_error("creating the leaders' group", exc) from exc
-            self._sub = sub if self.rank in members else None
+        try:
+            self._sub: Any = leaders_group(dist, group, members, self.rank, timeout)
+        except RuntimeError as exc:
+            raise _collective_error("creating the leaders' group", exc) from exc
 
     # -- public ---------------------------------------------------------------------------------
 
@@ -181,8 +189,10 @@ class DistributedPublisher:
                 with the adapter and every engine is checked against it.
 
         Returns:
-            `DistributedPublishReport` on ``src``; None on every other rank. Engine failures are
-            reported, not raised (``report.raise_for_errors()`` raises them).
+            `DistributedPublishReport` on ``src``; None on every other rank. With
+            ``on_error="report"`` engine failures are reported, not raised; calling
+            ``report.raise_for_errors()`` raises them on ``src`` only, so make every rank stop
+            too (or use ``on_error="raise"``).
 
         Raises:
             InvalidNameError, ConfigError, AdapterError, ExportError: ``src``'s adapter or version
@@ -190,6 +200,10 @@ class DistributedPublisher:
             ConfigError: this rank passed a version other than ``src``'s (raised once the
                 collective has completed; a leader reports its engines failed with it).
             TransportError: a collective failed (a rank died or the timeout is too short).
+            EngineError, PublishError (or another ``lorasync.errors`` class): with
+                ``on_error="raise"``, some engine failed; raised on every rank of ``group``
+                (``report.raise_for_errors()``'s error, rebuilt from its class, message and
+                context on the other ranks).
         """
         import torch.distributed as dist
 
@@ -236,6 +250,7 @@ class DistributedPublisher:
             raise _collective_error("the header broadcast", exc) from exc
         mismatch = None if is_src else version_mismatch(version, sent_version, self.rank)
         if self._sub is None and not is_src and self._local is None:
+            self._agree(None)
             if mismatch is not None:
                 raise mismatch
             return None
@@ -267,6 +282,7 @@ class DistributedPublisher:
         except RuntimeError as exc:
             raise _collective_error("the payload broadcast or the results gather", exc) from exc
         if not is_src:
+            self._agree(None)
             if mismatch is not None:
                 raise mismatch
             return None
@@ -280,7 +296,7 @@ class DistributedPublisher:
         results = [replace(r, url=f"[{n.node}] {r.url}") for n in node_results for r in n.results]
         names = {r.served_name for r in results if r.ok and r.served_name}
         timings["total"] = time.perf_counter() - start
-        return DistributedPublishReport(
+        report = DistributedPublishReport(
             name=self.name,
             version=sent_version,
             served_name=names.pop() if len(names) == 1 else served_name(self.name, sent_version),
@@ -292,6 +308,33 @@ class DistributedPublisher:
             payload_bytes=nbytes,
             bytes_sent=bytes_sent,
         )
+        self._agree(report)
+        return report
+
+    def _agree(self, report: DistributedPublishReport | None) -> None:
+        """With ``on_error="raise"``: ``src``'s failure (from ``report``) raised on every rank."""
+        if self.on_error != "raise":
+            return
+        failure = None
+        if report is not None:
+            try:
+                report.raise_for_errors()
+            except LoraSyncError as exc:
+                failure = exc
+        failure = agree_on_error(failure, src=self.src, group=self.group)
+        if failure is not None:
+            raise failure
+
+    def settled(self, timeout: float | None = None) -> None:
+        """Wait until this leader's last node-local publish retired its old versions (and
+        collected their files): ``publish`` returns before that, so look at this node's engines
+        after this. Not collective; returns at once on ranks without engines.
+
+        Raises:
+            TimeoutError: not finished within ``timeout`` seconds.
+        """
+        if self._last_local is not None:
+            self._last_local.settled(timeout)
 
     def close(self) -> None:
         """Close this rank's engine clients (the process groups belong to the trainer)."""
@@ -323,6 +366,7 @@ class DistributedPublisher:
                 adapter, probe = decode_adapter(source)
                 node.timings["decode"] = time.perf_counter() - start
             report = self._local.publish(adapter, version=version, verify=probe)
+            self._last_local = report
             node.results = list(report.results)
             node.timings.update(report.timings)
         except Exception as exc:  # never leave src waiting: report the node failed instead

@@ -15,12 +15,21 @@ Contract for implementers:
   If it raises, the engine still serves whatever it served before under other names.
 * ``unload_adapter`` of an unknown name raises ``AdapterNotFoundError``.
 * ``list_adapters`` returns the adapter names (not base models) the engine serves now.
+* ``adapter_sources`` (optional) says where each served adapter was loaded from: a path the
+  engine read, or a token no other load shares. The publisher trusts a content hash it
+  remembered (or recorded beside the files) only while the engine still serves that very load.
+
+Identity: ``instance_id`` names the engine instance in the store's holders records and in the
+publisher's hash bookkeeping. An engine outside this process (``remote``: a server, a Ray actor)
+is ``kind:url``, the same for every client of it; any other engine's id is unique to its process
+and object, so two jobs (or two engine objects on one base model) never pass for one engine.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -32,7 +41,16 @@ if TYPE_CHECKING:
 
     from lorasync._adapter import Adapter
 
-__all__ = ["Capabilities", "Engine"]
+__all__ = ["IN_PROCESS_MARK", "Capabilities", "Engine", "is_in_process_id"]
+
+#: Marks an in-process engine's :attr:`Engine.instance_id` (the pid and a random token follow).
+IN_PROCESS_MARK = "#in-process:"
+
+
+def is_in_process_id(instance_id: str) -> bool:
+    """Whether ``instance_id`` names an engine inside one process (gone with it). Records of
+    releases before instance ids had a mark named such engines ``kind:`` (an empty url)."""
+    return IN_PROCESS_MARK in instance_id or instance_id.endswith(":")
 
 
 @dataclass(frozen=True)
@@ -62,6 +80,8 @@ class Capabilities:
     # overlap): then a publish retires old versions before it returns, not in the background.
     concurrent_calls: bool = True
     fused_modules: tuple[tuple[str, ...], ...] = ()  # leaf groups stored as one weight (merged updates send whole groups)
+    # Loads PEFT's fused 3-D MoE expert LoRA besides per-expert keys (vLLM --enable-mixed-moe-lora-format).
+    moe_3d: bool = False
     notes: tuple[str, ...] = field(default=())
 
     def check(
@@ -118,6 +138,30 @@ class Engine:
 
     kind: ClassVar[str] = ""
     url: str = ""
+    #: The engine lives outside this process and other processes may drive it too (a server, a
+    #: Ray actor): it is then identified by ``kind:url``. None: an ``http(s)://`` url says so.
+    remote: ClassVar[bool | None] = None
+
+    @property
+    def instance_id(self) -> str:
+        """Who this engine is, for holders records and content-hash bookkeeping.
+
+        ``kind:url`` for a remote engine (every client of one server is that server); for any
+        other engine ``kind:url#in-process:<pid>:<token>``, unique to this process and object
+        (two ``PeftEngine`` objects on one base model, or the same code in two jobs, are
+        different engines). Stable for the object's lifetime.
+        """
+        base = f"{self.kind or type(self).__name__}:{self.url}"
+        remote = self.remote if self.remote is not None else self.url.startswith(("http://", "https://"))
+        if remote:
+            return base
+        # Kept on the object (its __dict__, not a slot: subclasses need not cooperate), and
+        # renewed in a forked child, which is another process with its own copy of the engine.
+        slots = getattr(self, "__dict__", None)
+        token = slots.get("_lorasync_instance") if slots is not None else (os.getpid(), f"{id(self):x}")
+        if token is None or token[0] != os.getpid():
+            token = slots["_lorasync_instance"] = (os.getpid(), secrets.token_hex(6))  # type: ignore[index]
+        return f"{base}{IN_PROCESS_MARK}{token[0]}:{token[1]}"
 
     # -- required ---------------------------------------------------------------------------
 
@@ -156,6 +200,20 @@ class Engine:
             LoraNotEnabledError, RankTooLargeError, IncompatibleAdapterError (``EngineError``).
         """
         caps.check(adapter)
+
+    def adapter_sources(self) -> Mapping[str, str | None] | None:
+        """Where each served adapter was loaded from, by served name: the path the engine read
+        it from, or a token unique to that load (a tensor load); None for a name the engine
+        cannot say it of. ``None`` altogether: the engine cannot tell (the default).
+
+        The publisher reuses a content hash for a listed name only while the engine still serves
+        the very load it hashed: a restarted engine that another job loaded the same name into
+        reports another source. Engines that cannot tell are trusted only in this process.
+
+        Raises:
+            EngineError: the engine could not be asked.
+        """
+        return None
 
     def adapters_in_use(self) -> frozenset[str] | None:
         """Served names that running or waiting requests use right now, as far as the engine can
@@ -203,6 +261,10 @@ class Engine:
     def close(self) -> None:
         """Release connections. Idempotent."""
 
+    def home_loop(self) -> "asyncio.AbstractEventLoop | None":
+        """The event loop this engine's calls must run on (an AsyncLLM's), or None (any loop)."""
+        return None
+
     # -- async twins (default: the sync method in a worker thread) ---------------------------
 
     async def acapabilities(self) -> Capabilities:
@@ -219,6 +281,11 @@ class Engine:
 
     async def aadapters_in_use(self) -> frozenset[str] | None:
         return await asyncio.to_thread(self.adapters_in_use)
+
+    async def aadapter_sources(self) -> Mapping[str, str | None] | None:
+        if type(self).adapter_sources is Engine.adapter_sources:
+            return None  # cannot tell: no thread hop for it
+        return await asyncio.to_thread(self.adapter_sources)
 
     async def aload_adapter_tensors(self, name: str, adapter: Adapter) -> None:
         await asyncio.to_thread(self.load_adapter_tensors, name, adapter)

@@ -14,8 +14,12 @@ under ``asyncio.timeout``; the sync client's connections carry the attempt's dea
 every socket read and write (:mod:`lorasync.engines._deadline`). With retries, a call therefore ends
 within about ``attempts * timeout`` plus the back-off.
 
-Secrets (the API key, a URL password) are checked before use and scrubbed from every error this
-module translates; a foreign exception that held one is not chained (its text would show it).
+Secrets (the API key, a URL's password and query) live in one
+:class:`~lorasync.engines._credentials.Credentials`: checked before use, scrubbed in every form
+(base64 in an echoed ``Authorization`` header, percent-encoded in an echoed path) from every
+response body before an operation reads it and from every error this module translates. A
+foreign exception that held one is not chained (its text would show it). A pickled client carries
+no secret (see ``_credentials``).
 """
 
 from __future__ import annotations
@@ -34,8 +38,7 @@ import httpx
 
 from lorasync._retry import RetryableStatus, RetryPolicy
 from lorasync.engines._engine import Engine
-from lorasync.engines._credentials import clean_key as _clean_key
-from lorasync.engines._credentials import split_userinfo as _split_userinfo
+from lorasync.engines._credentials import Credentials
 from lorasync.engines._deadline import DEADLINE as _DEADLINE
 from lorasync.engines._deadline import DeadlineBackend as _DeadlineBackend
 from lorasync.errors import (
@@ -85,9 +88,13 @@ class HTTPEngine(Engine):
     """What the engine clients that talk HTTP subclass.
 
     Args:
-        url (`str`): the server's URL, e.g. ``http://127.0.0.1:8000``.
-        api_key (`str`, *optional*): sent as ``Authorization: Bearer``; never logged or shown
-            in ``repr``. Defaults to the env var named by ``api_key_env``.
+        url (`str`): the server's URL, e.g. ``http://127.0.0.1:8000``. ``user:password@`` is
+            sent as basic auth and a ``?query`` with every request; both count as secrets.
+        api_key (`str`, *optional*): sent as ``Authorization: Bearer``; never logged, shown in
+            ``repr`` or pickled. Defaults to the env var named by the class's ``api_key_env``.
+        api_key_env (`str`, *optional*): the environment variable holding the key instead; the
+            key is then required, and a pickled client reads it again from that variable in
+            the process that unpickles it.
         timeout (`float`): seconds per request (loads can take a while on big adapters).
         retries (`RetryPolicy | int | None`): retry policy (see ``RetryPolicy``).
         transport / async_transport (`httpx` transports, *optional*): for tests or custom I/O.
@@ -100,26 +107,24 @@ class HTTPEngine(Engine):
         url: str,
         *,
         api_key: str | None = None,
+        api_key_env: str | None = None,
         timeout: float = 60.0,
         retries: RetryPolicy | int | None = None,
         transport: httpx.BaseTransport | None = None,
         async_transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
-        # Credentials in the URL travel only as an Authorization header: ``url`` (shown in reprs,
-        # errors, reports and logs) never holds them.
-        bare, user, password = _split_userinfo(url)
-        self._auth = httpx.BasicAuth(user, password) if user is not None else None
+        # Credentials in the URL travel only as an Authorization header and query parameters:
+        # ``url`` (shown in reprs, errors, reports and logs) never holds them.
+        bare, self._credentials = Credentials.from_url(
+            url, api_key=api_key, api_key_env=api_key_env, default_env=type(self).api_key_env
+        )
+        if api_key_env is not None:
+            self.api_key_env = api_key_env  # named in messages about the key
         self.url = bare.rstrip("/")
         self.retry = RetryPolicy.from_value(retries)
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ConfigError(f"timeout must be a positive number of seconds per request, got {timeout!r}")
         self.timeout = float(timeout)
-        from_env = api_key is None
-        key = api_key if not from_env else (os.environ.get(self.api_key_env) if self.api_key_env else None)
-        key = _clean_key(key, f"${self.api_key_env}" if from_env else "api_key=")
-        self._headers = {"Authorization": f"Bearer {key}"} if key else {}
-        # Longest first, so a secret containing another is replaced whole.
-        self._secrets = tuple(sorted({v for v in (key, password) if v}, key=len, reverse=True))
         self._transport = transport
         self._async_transport = async_transport
         self._client: httpx.Client | None = None
@@ -144,7 +149,7 @@ class HTTPEngine(Engine):
         except StopIteration as stop:
             return stop.value  # type: ignore[no-any-return]
         except EngineError as exc:  # the operation's own errors may quote a response body
-            if any(secret in exc.message for secret in self._secrets):
+            if self._credentials.shows_in(exc.message):
                 raise self._scrubbed(exc, exc.__cause__) from None
             raise
 
@@ -161,11 +166,12 @@ class HTTPEngine(Engine):
         except StopIteration as stop:
             return stop.value  # type: ignore[no-any-return]
         except EngineError as exc:  # the operation's own errors may quote a response body
-            if any(secret in exc.message for secret in self._secrets):
+            if self._credentials.shows_in(exc.message):
                 raise self._scrubbed(exc, exc.__cause__) from None
             raise
 
     def _send(self, call: Call, adapter: str | None) -> httpx.Response:
+        self._check_credentials(call, adapter)
         client = self._sync_client()
         policy = self.retry if call.retry else RetryPolicy(attempts=1)
         attempts = 0
@@ -178,12 +184,14 @@ class HTTPEngine(Engine):
                         response = client.request(call.method, call.path, json=call.json, params=call.params)
                     finally:
                         _DEADLINE.at = None
+                    self._credentials.scrub_response(response)  # before anything quotes it
                     self._raise_retryable(response)
         except Exception as exc:  # translated below
             raise self._scrubbed(self._translate(exc, call, adapter, attempts), exc)  # noqa: B904 - chained there
         return self._checked(response, call, adapter, attempts)
 
     async def _asend(self, call: Call, adapter: str | None) -> httpx.Response:
+        self._check_credentials(call, adapter)
         client = self._async_client()
         policy = self.retry if call.retry else RetryPolicy(attempts=1)
         attempts = 0
@@ -199,31 +207,43 @@ class HTTPEngine(Engine):
                             raise
                         # As httpx reports its own timeouts, so retries and errors treat it alike.
                         raise httpx.ReadTimeout(f"no complete answer within {self.timeout}s") from exc
+                    self._credentials.scrub_response(response)  # before anything quotes it
                     self._raise_retryable(response)
         except Exception as exc:
             raise self._scrubbed(self._translate(exc, call, adapter, attempts), exc)  # noqa: B904 - chained there
         return self._checked(response, call, adapter, attempts)
 
-    def _scrub(self, text: str) -> str:
-        """``text`` with every secret of this client replaced by ``***``."""
-        for secret in self._secrets:
-            text = text.replace(secret, "***")
-        return text
+    def _check_credentials(self, call: Call, adapter: str | None) -> None:
+        """Refuse to send anything without the credentials this client was built with (a
+        client unpickled in another process gets no literal secret).
+
+        Raises:
+            AuthenticationError: a secret is missing in this process; nothing was sent.
+        """
+        withheld = self._credentials.withheld
+        if withheld:
+            raise AuthenticationError(
+                f"{self.kind} at {self.url}{call.path}: nothing was sent, this client lacks its credentials here "
+                f"({'; '.join(withheld)}). Pass the key through the environment (api_key_env='NAME', or "
+                f"${type(self).api_key_env}) and set it in this process, or build the engine in the process "
+                "that uses it: secrets never travel in a pickle",
+                **self._context(call, adapter, 0),
+            )
 
     def _scrubbed(self, error: EngineError, cause: BaseException | None) -> EngineError:
         """``error`` with secrets removed from its message and context, chained to ``cause``
         only when no secret shows in the cause's text either."""
-        if not self._secrets:
+        if not self._credentials.forms:
             error.__cause__ = cause
             return error
-        if any(secret in error.message for secret in self._secrets):
-            error.message = self._scrub(error.message)
+        if self._credentials.shows_in(error.message):
+            error.message = self._credentials.scrub(error.message)
             error.args = (error.message,)
         for key, value in list(error.context.items()):
-            if isinstance(value, str) and value != self._scrub(value):
-                error.context[key] = self._scrub(value)
+            if isinstance(value, str) and value != self._credentials.scrub(value):
+                error.context[key] = self._credentials.scrub(value)
                 setattr(error, key, error.context[key])
-        leaks = cause is not None and any(secret in text for secret in self._secrets for text in (str(cause), repr(cause.args)))
+        leaks = cause is not None and any(self._credentials.shows_in(text) for text in (str(cause), repr(cause.args)))
         error.__cause__ = None if leaks else cause
         error.__suppress_context__ = True
         return error
@@ -312,8 +332,9 @@ class HTTPEngine(Engine):
         """What the sync and async clients share."""
         return {
             "base_url": self.url,
-            "headers": self._headers,
-            "auth": self._auth,
+            "headers": self._credentials.headers,
+            "auth": self._credentials.auth,
+            "params": self._credentials.params,
             "timeout": self.timeout,
             "verify": _ssl_context(),
         }
@@ -353,8 +374,20 @@ class HTTPEngine(Engine):
             self._aclient = None
 
     def __repr__(self) -> str:
-        auth = ", api_key=***" if self._headers or self._auth else ""
+        auth = ", api_key=***" if self._credentials else ""
         return f"{type(self).__name__}(url={self.url!r}{auth})"
+
+    @property
+    def _auth(self) -> httpx.BasicAuth | None:
+        """Basic auth from the URL's userinfo (what the clients send)."""
+        return self._credentials.auth
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Open connections stay with this process (a copy builds its own on first use); the
+        # credentials pickle without their secrets (Credentials.__reduce__).
+        state = self.__dict__.copy()
+        state.update(_client=None, _aclient=None, _aclient_loop=None)
+        return state
 
 
 @functools.lru_cache(maxsize=1)

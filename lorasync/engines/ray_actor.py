@@ -11,6 +11,18 @@ the actor loads it from there as tensors, no files. Errors raised in the actor c
 same typed ``lorasync.errors`` (they pickle); a dead or restarting actor is an
 ``EngineUnavailableError`` and the versions served elsewhere are untouched.
 
+Why the adapter crosses as one buffer: an ``Adapter`` read from disk holds views of one file-sized
+buffer, and pickling a view pickles its whole storage, so a plain ``ray.put(adapter)`` stored the
+file once per tensor. :class:`_Packed` writes it once in lorasync's safetensors layout into a
+numpy buffer (Ray keeps it out of band: one copy in the store, read zero-copy), and unpickles
+straight into an ``Adapter`` in the actor, so any actor's ``lorasync_call`` receives one. The
+shared reference is keyed by the Ray session too: one from before ``ray.shutdown()`` is never
+handed out again.
+
+A call that timed out is still running in the actor. A load that times out is remembered, and
+the next call first waits for it and unloads the version if it landed after all, so the report
+that called it failed stays true and publishing it again loads it afresh.
+
 Needs ``pip install 'lorasync[ray]'``.
 """
 
@@ -18,21 +30,33 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from lorasync.engines._engine import Capabilities, Engine
-from lorasync.errors import ConfigError, EngineError, EngineTimeoutError, EngineUnavailableError, LoraSyncError
+from lorasync.errors import (
+    AdapterNotFoundError,
+    ConfigError,
+    EngineError,
+    EngineTimeoutError,
+    EngineUnavailableError,
+    LoraSyncError,
+)
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from lorasync._adapter import Adapter
+    from lorasync._config import AdapterConfig
 
 __all__ = ["EngineHost", "RayEngine"]
 
 # What a driver may ask a hosted engine to do (nothing else is dispatched by name).
 _METHODS = frozenset(
     {
+        "adapter_sources",
         "capabilities",
         "load_adapter",
         "load_adapter_tensors",
@@ -44,8 +68,10 @@ _METHODS = frozenset(
     }
 )
 
+_LOADS = frozenset({"load_adapter", "load_adapter_tensors"})
+
 _shared_lock = threading.Lock()
-_shared: dict[str, Any] = {}  # content hash -> ObjectRef of the adapter published last
+_shared: dict[tuple[str, tuple[str, str]], Any] = {}  # (content hash, Ray session) -> ObjectRef of the adapter published last
 
 
 class EngineHost:
@@ -111,6 +137,7 @@ class RayEngine(Engine):
     """
 
     kind: ClassVar[str] = "ray"
+    remote: ClassVar[bool | None] = True  # other processes may hold a handle to the same actor
 
     def __init__(self, *, actor: Any, timeout: float = 300.0) -> None:
         try:
@@ -124,6 +151,8 @@ class RayEngine(Engine):
             )
         self.actor = actor
         self.timeout = timeout
+        self._doubt: dict[str, Any] = {}  # served name -> ObjectRef of a load that timed out
+        self._doubt_lock = threading.Lock()
         actor_id = getattr(actor, "_actor_id", None)
         self.url = f"ray-actor:{actor_id.hex() if actor_id is not None else id(actor)}"
 
@@ -164,6 +193,11 @@ class RayEngine(Engine):
     def list_adapters(self) -> list[str]:
         return list(self._call("list_adapters"))
 
+    def adapter_sources(self) -> Mapping[str, str | None] | None:
+        """The hosted engine's :meth:`Engine.adapter_sources` (a restarted actor's are new)."""
+        answer = self._call("adapter_sources")
+        return dict(answer) if answer is not None else None
+
     def adapters_in_use(self) -> frozenset[str] | None:
         answer = self._call("adapters_in_use")
         return frozenset(answer) if answer is not None else None
@@ -173,16 +207,67 @@ class RayEngine(Engine):
         return list(tokens), list(logprobs)
 
     def close(self) -> None:
-        """Leaves the actor running (it belongs to the caller); nothing to release here."""
+        """Leaves the actor running (it belongs to the caller); takes back a timed-out load that landed."""
+        try:
+            self._settle_doubts()
+        except EngineError:
+            pass  # best effort: the actor is busy or gone
 
     # -- the call ---------------------------------------------------------------------------------
 
     def _call(self, method: str, *args: Any) -> Any:
+        self._settle_doubts()
         try:
             ref = self.actor.lorasync_call.remote(method, *args)
         except Exception as exc:
             raise self._translate(exc, method) from exc
-        return self._get(ref, method)
+        try:
+            return self._get(ref, method)
+        except EngineTimeoutError as exc:
+            if method not in _LOADS:
+                raise
+            name = args[0]
+            with self._doubt_lock:
+                self._doubt[name] = ref
+            raise EngineTimeoutError(
+                f"{self.kind} {self.url}: loading {name} did not finish within {self.timeout}s and may still finish in "
+                f"the actor; lorasync then unloads {name} before any later call reaches the actor, so it is not served "
+                "and publishing it again loads it afresh. Raise timeout= if loads take this long",
+                engine=self.kind,
+                url=self.url,
+                adapter=name,
+            ) from exc
+
+    def _settle_doubts(self) -> None:
+        """Wait for loads that timed out earlier; unload what landed after all (see module docstring).
+
+        Raises:
+            EngineTimeoutError: such a load still runs after another ``timeout`` seconds.
+        """
+        import ray
+
+        with self._doubt_lock:
+            pending = dict(self._doubt)
+        for name, ref in pending.items():
+            ready, _ = ray.wait([ref], timeout=self.timeout)
+            if not ready:
+                raise EngineTimeoutError(
+                    f"{self.kind} {self.url}: an earlier load of {name} is still running in the actor after another "
+                    f"{self.timeout}s; nothing else is sent until it ends. Check the actor, or publish again later",
+                    engine=self.kind,
+                    url=self.url,
+                    adapter=name,
+                )
+            with self._doubt_lock:
+                self._doubt.pop(name, None)
+            try:
+                ray.get(ref)
+            except Exception:  # noqa: BLE001 - it failed (or the actor died): nothing to take back
+                continue
+            try:
+                self._get(self.actor.lorasync_call.remote("unload_adapter", name), "unload_adapter")
+            except AdapterNotFoundError:
+                pass  # someone unloaded it already
 
     def _get(self, ref: Any, method: str) -> Any:
         import ray
@@ -205,6 +290,13 @@ class RayEngine(Engine):
             return EngineTimeoutError(
                 f"{where} did not answer within {self.timeout}s; raise timeout= or check the actor", engine=self.kind, url=self.url
             )
+        if isinstance(exc, ray.exceptions.RayActorError) and getattr(exc, "actor_init_failed", False):
+            return EngineUnavailableError(
+                f"{where} failed: the actor's constructor raised {_creation_error(exc)}, so it never hosted an engine; "
+                "fix that and create the actor again",
+                engine=self.kind,
+                url=self.url,
+            )
         if isinstance(exc, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)):
             return EngineUnavailableError(
                 f"{where} failed: the actor is dead or restarting ({type(exc).__name__}); the versions other engines "
@@ -218,14 +310,67 @@ class RayEngine(Engine):
         return f"RayEngine(url={self.url!r})"
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _creation_error(exc: Exception) -> str:
+    """The exception an actor's ``__init__`` raised (its last traceback line: ``ConfigError: ...``)."""
+    text = _ANSI.sub("", str(getattr(exc, "error_msg", "") or exc))
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith(("File ", "^"))]
+    last = lines[-1] if lines else type(exc).__name__
+    return re.sub(r"^(?:[A-Za-z_][\w]*\.)+(?=[A-Za-z_]\w*(?:Error|Exception)\b)", "", last)
+
+
+def _session() -> tuple[str, str]:
+    """This driver's Ray session: a fresh cluster has another node, a reconnect another job."""
+    import ray
+
+    context = ray.get_runtime_context()
+    return context.get_node_id(), context.get_job_id()
+
+
+class _Packed:
+    """An adapter as it crosses Ray's object store: one safetensors-layout buffer plus its config.
+
+    Pickles (with Ray's protocol 5, the buffer out of band) into :func:`_unpack`, so whoever gets
+    it from the store gets an ``Adapter``, every tensor in memory of its own.
+    """
+
+    __slots__ = ("buffer", "config")
+
+    def __init__(self, adapter: Adapter) -> None:
+        import numpy as np
+        import torch
+
+        from lorasync.wire.layout import plan
+
+        layout = plan(adapter.tensors, {}, grouped=False)
+        self.buffer = np.empty(layout.total, dtype=np.uint8)
+        layout.write_into(torch.from_numpy(self.buffer), list(adapter.tensors.values()))
+        self.config = adapter.config
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_unpack, (self.buffer, self.config))
+
+
+def _unpack(buffer: np.ndarray, config: AdapterConfig) -> Adapter:
+    from lorasync._adapter import Adapter
+    from lorasync.wire.views import read
+
+    tensors, _ = read(buffer, what="adapter from Ray's object store")
+    return Adapter(tensors, config)
+
+
 def _put_once(adapter: Adapter) -> Any:
     """The adapter's object-store reference, put once for every Ray engine of one publish."""
     import ray
 
-    digest = adapter.content_hash
+    if not ray.is_initialized():
+        ray.init()  # what ray.put would do; the session must be known before the lookup
+    key = (adapter.content_hash, _session())
     with _shared_lock:
-        ref = _shared.get(digest)
+        ref = _shared.get(key)
         if ref is None:
             _shared.clear()  # keep only the adapter being published: the store frees older ones
-            ref = _shared[digest] = ray.put(adapter)
+            ref = _shared[key] = ray.put(_Packed(adapter))
     return ref

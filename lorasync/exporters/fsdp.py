@@ -8,6 +8,11 @@ Every rank gets the full Adapter; trainers usually publish from rank 0 only and 
 ranks drop theirs. ZeRO-3 parameters are gathered with ``deepspeed.zero.GatheredParameters``
 (only the LoRA ones, read-only); without deepspeed importable they are refused with a typed
 error instead of being read as the empty local shards they are.
+
+PEFT ``target_parameters`` LoRA on transformers-5 fused experts (``mlp.experts.gate_up_proj`` /
+``down_proj``, and the router's ``mlp.gate.weight``) leaves as one LoRA pair per expert
+(:mod:`lorasync._moe` has the layout and its inverse): exactly what PEFT computes, in the keys
+vLLM, SGLang and Megatron-Bridge use.
 """
 
 from __future__ import annotations
@@ -21,7 +26,9 @@ from torch import nn
 
 from lorasync._adapter import Adapter
 from lorasync._config import AdapterConfig
-from lorasync._keys import normalize_trainer_key, peft_key
+from lorasync._keys import normalize_trainer_key, parse_peft_key
+from lorasync._moe import LAYOUT, parse_expert_module
+from lorasync._moe_peft import convert, split_peft_config, targets_in_model
 from lorasync.errors import ConfigError, ExportError, UnknownAdapterNameError
 from lorasync.transforms import trim_rank
 
@@ -34,10 +41,11 @@ def export(
     adapter_name: str = "default",
     rank: int | Mapping[str, int] | None = None,
     alpha: float | None = None,
-    config: AdapterConfig | None = None,
+    config: AdapterConfig | Any | None = None,
     dtype: torch.dtype | None = None,
     base_model_name_or_path: str | None = None,
     copy: bool = False,
+    model_type: str | None = None,
 ) -> Adapter:
     """Turn trainer LoRA weights into an :class:`Adapter`.
 
@@ -51,9 +59,13 @@ def export(
         rank (`int` or per-module `Mapping`, *optional*): the real rank. Padding beyond it is
             trimmed after proving it is zero. A mapping (module path → rank) must cover every
             exported module; its largest value becomes ``r`` and the others ``rank_pattern``.
-            Defaults to the PEFT config's ``r`` (model) or the tensors' own rank (mapping).
+            Defaults to the PEFT config's ``r`` (model) or the tensors' own rank (mapping). Fused
+            experts are trimmed per expert; a mapping may name a fused parameter
+            (``model.layers.0.mlp.experts.gate_up_proj``) for all of its experts.
         alpha (`float`, *optional*): ``lora_alpha``; required for a mapping without ``config``.
-        config (`AdapterConfig`, *optional*): explicit config; wins over the model's PEFT config.
+        config (`AdapterConfig` or PEFT `LoraConfig`/its dict, *optional*): explicit config; wins
+            over the model's PEFT config. A state dict of ``target_parameters`` (fused-expert)
+            LoRA needs the PEFT config it was trained with, which says what was targeted.
         dtype (`torch.dtype`, *optional*): cast the exported tensors.
         base_model_name_or_path (`str`, *optional*): recorded in ``adapter_config.json``.
         copy (`bool`, defaults to `False`): copy CPU tensors. Without it the Adapter holds the
@@ -62,6 +74,8 @@ def export(
             wrote; the content hash is taken from those bytes, never cached), and pass
             ``copy=True`` when the Adapter must outlive the step (a background publish, kept for
             later). GPU, sharded and cast tensors are always copies.
+        model_type (`str`, *optional*): the base model's ``config.json`` ``model_type``, which
+            decides the fused-expert layout; read from the model when it is one.
 
     Returns:
         `Adapter`: PEFT-keyed tensors on CPU, detached (the trainer's own memory unless ``copy``).
@@ -72,13 +86,20 @@ def export(
             DeepSpeed ZeRO-3 partitioned parameters without deepspeed importable, or in a
             state dict (which holds only this rank's partition).
         ConfigError: neither a PEFT config nor ``alpha``/``config`` give the scale.
+        ExpertLayoutError: fused-expert LoRA that has no exact per-expert form (an unknown model
+            family such as GPT-OSS, a target parameter no engine serves as LoRA), naming it.
         PaddedRankError, ShapeMismatchError, ...: from validation.
     """
+    if not isinstance(source, nn.Module) and not callable(getattr(source, "items", None)):  # a typo (a model's name, None) is a typed error, not an AttributeError
+        raise ConfigError(f"export() takes a PEFT model or a state dict (name -> tensor), got {type(source).__name__}: {source!r:.80}")
+    targets = None
     if isinstance(source, nn.Module):
         peft_cfg = _find_peft_config(source, adapter_name)
         with _full_params(source) as unsharded, _zero3_gathered(source, adapter_name) as gathered:
             # Unsharded FSDP1 parameters and gathered ZeRO-3 ones are freed on exit: those are always copied.
             raw = _collect(source.named_parameters(), adapter_name, copy=copy or unsharded or gathered)
+        targets = targets_in_model(source, adapter_name, lambda name: _module_of(name, adapter_name)) or None
+        model_type = model_type or _model_type(source)
     else:
         peft_cfg = None
         _refuse_partitioned(source.items(), adapter_name)
@@ -93,13 +114,18 @@ def export(
 
     if isinstance(rank, Mapping) and not rank:
         raise ConfigError("rank= is an empty mapping; pass one int or a rank for every module")
-    given = config or (AdapterConfig.from_peft(peft_cfg) if peft_cfg is not None else None)
+    given, target_parameters = _given_config(config, peft_cfg)
+    if targets or target_parameters:
+        if given is None:  # pragma: no cover - a model with wrappers always has its PEFT config
+            raise ConfigError("fused-expert LoRA needs its PEFT config; pass config=")
+        paths = target_parameters or [t.path for t in targets or ()]
+        raw, given = convert(raw, given, target_parameters=paths, model_type=model_type, targets=targets)
     if given is None:
         if alpha is None:
             raise ConfigError("exporting from a state dict needs alpha= (lora_alpha) or config=")
         # The tensors' own rank: A's rows (B's columns when A is missing). Malformed tensors get
         # a placeholder here; validation below names what is wrong with them.
-        ranks = [t.shape[-2] for k, t in raw.items() if k.endswith(".lora_A.weight") and t.dim() >= 2]
+        ranks = [t.shape[-2] for k, t in raw.items() if parse_peft_key(k)[1] == "A" and t.dim() >= 2]
         ranks = ranks or [t.shape[-1] for t in raw.values() if t.dim() >= 1]
         real = rank if isinstance(rank, int) else max(ranks, default=1)
         given = AdapterConfig(r=real, lora_alpha=alpha)
@@ -119,17 +145,58 @@ def export(
     cfg = given.with_(**changes)
 
     if rank is not None:
-        raw = trim_rank(raw, rank)
+        raw = trim_rank(raw, _per_expert_ranks(rank, raw))
     tensors = {k: (t.to(dtype) if dtype is not None else t) for k, t in raw.items()}
     return Adapter(tensors, cfg)
+
+
+def _given_config(config: Any, peft_cfg: Any) -> tuple[AdapterConfig | None, list[str]]:
+    """The config to start from and the PEFT ``target_parameters`` (fused experts) it names."""
+    if isinstance(config, AdapterConfig):
+        return config, []
+    source = config if config is not None else peft_cfg
+    if source is None:
+        return None, []
+    return split_peft_config(source if isinstance(source, Mapping) else source.to_dict())
+
+
+def _module_of(name: str, adapter_name: str) -> str | None:
+    """The PEFT module path of a (decorated) module name of the trainer's model."""
+    key = normalize_trainer_key(f"{name}.lora_A.weight", adapter_name)
+    return parse_peft_key(key)[0] if key is not None else None
+
+
+def _model_type(model: nn.Module) -> str | None:
+    for module in model.modules():
+        model_type = getattr(getattr(module, "config", None), "model_type", None)
+        if isinstance(model_type, str):
+            return model_type
+    return None
+
+
+def _per_expert_ranks(rank: int | Mapping[str, int], tensors: Mapping[str, torch.Tensor]) -> int | Mapping[str, int]:
+    """``rank``, with a fused expert parameter's entry (``...mlp.experts.gate_up_proj``) given to
+    each of its per-expert modules."""
+    if isinstance(rank, int):
+        return rank
+    leaves = {leaf: rule.param for rule in LAYOUT for leaf in rule.leaves}
+    out = dict(rank)
+    for key in tensors:
+        module = parse_peft_key(key)[0]
+        parsed = parse_expert_module(module)
+        if parsed is not None and module not in out:
+            fused = f"{parsed[0]}.{leaves[parsed[2]]}"
+            if fused in rank:
+                out[module] = rank[fused]
+    return out
 
 
 def _collect(items: Any, adapter_name: str, *, copy: bool) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     source: dict[str, str] = {}
     for name, value in items:
-        parsed = normalize_trainer_key(name, adapter_name)
-        if parsed is None:
+        key = normalize_trainer_key(name, adapter_name)
+        if key is None:
             continue
         if not isinstance(value, torch.Tensor):
             raise ExportError(f"{name!r} is a {type(value).__name__}, not a tensor; pass the trainer's tensors", key=name)
@@ -137,7 +204,6 @@ def _collect(items: Any, adapter_name: str, *, copy: bool) -> dict[str, torch.Te
         full = getattr(tensor, "full_tensor", None)
         if callable(full):  # DTensor (FSDP2 / TP): collective gather
             tensor = full()
-        key = peft_key(*parsed)
         # One copy at most: off-CPU tensors are copied by the move, CPU ones only when asked.
         tensor = tensor.to("cpu") if tensor.device.type != "cpu" else tensor.clone() if copy else tensor
         if key in out and not torch.equal(out[key], tensor):
@@ -159,8 +225,10 @@ def _adapter_names(source: Any) -> set[str]:
     found = set()
     for name in names:
         parts = name.split(".")
-        for i, p in enumerate(parts[:-2]):
-            if p in ("lora_A", "lora_B"):
+        for i, p in enumerate(parts[:-1]):
+            if p in ("lora_A", "lora_B") and i < len(parts) - 2:
+                found.add(parts[i + 1])
+            elif p in ("lora_embedding_A", "lora_embedding_B"):
                 found.add(parts[i + 1])
     return found
 

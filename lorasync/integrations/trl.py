@@ -8,24 +8,38 @@ subclasses, so one ``TrainerCallback`` serves them all. After every optimizer st
 ``state.log_history`` and in what later callbacks' ``on_log`` receive).
 
 Distributed runs: export is collective under FSDP/ZeRO-3, so every rank runs it (and the
-verification forward); only the world's process zero publishes.
+verification forward); only the world's process zero publishes, then tells every rank whether it
+failed (:func:`lorasync.distributed._agree.agree_on_error`), so a failure that stops training
+stops every rank at the same step instead of leaving the others in the next collective.
+
+Lifetime: the Publisher the callback makes is closed when training ends, when a publish of its
+own raises, by :meth:`LoraSyncCallback.close` (or leaving ``with LoraSyncCallback(...)``), and as
+a last resort when the callback is garbage-collected (at exit the process's end releases it).
+``transformers`` (5.x) calls no callback when ``trainer.train()`` raises elsewhere (a data
+collator, the model, another callback): ``on_train_end`` runs only after a finished loop, and
+``train()`` has no ``try``/``finally`` around it. So wrap ``trainer.train()`` in the ``with`` form, or call
+``close()`` in your ``except``/``finally``, to release the publisher at once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import threading
 import time
-from collections.abc import Iterable, Sequence
+import weakref
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from transformers import TrainerCallback
 
-from lorasync._probe import Probe
+from lorasync._probe import Probe, check_atol, check_max_tokens
 from lorasync._publish import Publisher
 from lorasync._report import PublishReport
+from lorasync._retention import _count
 from lorasync.engines._engine import Engine
-from lorasync.errors import ConfigError
+from lorasync.errors import BlockingCallError, ConfigError, LoraSyncError
 from lorasync.exporters.fsdp import export
 
 __all__ = ["LoraSyncCallback"]
@@ -53,19 +67,31 @@ class LoraSyncCallback(TrainerCallback):
             expectation is the model's forward as the trainer runs it: with ``bf16=True``
             (TRL's default) accelerate autocasts it, so an fp32 engine differs by bf16 noise.
         on_error (`str`): ``"raise"`` (default: a failed publish stops training with the typed
-            error) or ``"warn"`` (log a warning and keep training; engines keep serving their
-            previous version).
+            error, on every rank of a distributed run) or ``"warn"`` (log a warning and keep
+            training; engines keep serving their previous version).
         publish_on_train_end (`bool`): publish the final step when ``every`` skipped it.
         adapter_name (`str`): the PEFT adapter to export.
-        transport, keep, root, base: passed to :class:`~lorasync.Publisher` when the callback
-            makes it.
+        keep_reports (`int | None`): how many reports ``reports`` and ``failures`` keep, newest
+            last (default 100; None keeps every one, which grows by one report per publish).
+        transport, keep, root, run, base: passed to :class:`~lorasync.Publisher` when the
+            callback makes it (``run=`` resumes a run after a restart).
+
+    Attributes:
+        reports (`list[PublishReport]`): the newest ``keep_reports`` publishes (process zero).
+        failures (`list[PublishReport]`): the newest ``keep_reports`` publishes that failed on
+            some engine, kept apart so that later successes do not push them out.
+        publish_count, failure_count (`int`): every publish and every failed one of the run,
+            including those no longer kept.
+        publisher (`Publisher | None`): the publisher in use; None once the callback closed the
+            one it made.
 
     Raises:
         ConfigError: bad options (at construction).
 
     Example:
-        >>> trainer = SFTTrainer(model, args=args, train_dataset=ds, peft_config=lora,  # doctest: +SKIP
-        ...     callbacks=[LoraSyncCallback(["vllm:http://127.0.0.1:8000"], name="policy")])
+        >>> with LoraSyncCallback(["vllm:http://127.0.0.1:8000"], name="policy") as sync:  # doctest: +SKIP
+        ...     trainer = SFTTrainer(model, args=args, train_dataset=ds, peft_config=lora, callbacks=[sync])
+        ...     trainer.train()  # the publisher is closed when this block ends, also if train() raised
     """
 
     def __init__(
@@ -81,22 +107,27 @@ class LoraSyncCallback(TrainerCallback):
         on_error: str = "raise",
         publish_on_train_end: bool = True,
         adapter_name: str = "default",
+        keep_reports: int | None = 100,
         transport: str = "auto",
         keep: int = 2,
         root: str | os.PathLike[str] | None = None,
+        run: str | None = None,
         base: Any = None,
     ) -> None:
-        if not isinstance(every, int) or every < 1:
-            raise ConfigError(f"every must be an int >= 1 (publish every N optimizer steps), got {every!r}")
-        if not isinstance(version_offset, int) or version_offset < 0:
-            raise ConfigError(f"version_offset must be an int >= 0, got {version_offset!r}")
+        _count("every", every, minimum=1, what="publish every N optimizer steps")
+        _count("version_offset", version_offset, minimum=0, what="added to the trainer's global_step")
+        if keep_reports is not None:
+            _count("keep_reports", keep_reports, minimum=1, what="reports kept in callback.reports, or None for all")
         if on_error not in _ON_ERROR:
             raise ConfigError(f"on_error must be one of {_ON_ERROR}, got {on_error!r}")
         if verify_prompt_ids is not None and not list(verify_prompt_ids):
             raise ConfigError("verify_prompt_ids is empty; pass a few token ids or None")
+        # Checked here, not at the first verified publish in the middle of training.
+        check_max_tokens(verify_max_tokens, what="verify_max_tokens")
+        check_atol(verify_atol, what="verify_atol")
         self._given = engines if isinstance(engines, Publisher) else None
         self._engines = None if self._given is not None else engines
-        self._publisher_options = dict(name=name, transport=transport, keep=keep, root=root, base=base)
+        self._publisher_options = dict(name=name, transport=transport, keep=keep, root=root, run=run, base=base)
         self.every = every
         self.version_offset = version_offset
         self.verify_prompt_ids = None if verify_prompt_ids is None else [int(t) for t in verify_prompt_ids]
@@ -105,21 +136,53 @@ class LoraSyncCallback(TrainerCallback):
         self.on_error = on_error
         self.publish_on_train_end = publish_on_train_end
         self.adapter_name = adapter_name
-        self.publisher: Publisher | None = self._given
-        self.reports: list[PublishReport] = []  # every publish of this run, in order (process zero)
+        self.keep_reports = keep_reports
+        self.reports: list[PublishReport] = []
+        self.failures: list[PublishReport] = []
+        self.publish_count = 0
+        self.failure_count = 0
         self._last_step: int | None = None
         self._pending: dict[str, float] = {}
+        # The Publisher this callback makes lives in a holder the finalizer may reference: the
+        # finalizer must not keep the callback itself alive.
+        self._owned = _Owned(given=self._given)
+        # Not at exit: by then the executors its close needs are shut down, and the process's end
+        # lets go of the loop thread, the connections and the run's lock anyway.
+        weakref.finalize(self, self._owned.close_quietly).atexit = False
+
+    @property
+    def publisher(self) -> Publisher | None:
+        """The Publisher in use (the one passed in, or the one made at train begin)."""
+        return self._owned.publisher
+
+    def close(self) -> None:
+        """Close the Publisher this callback made (idempotent; a Publisher passed in is the
+        caller's to close). Call it when ``trainer.train()`` raised, or use ``with``.
+
+        Raises:
+            BlockingCallError: called from async code that runs the publisher (see
+                :meth:`lorasync.Publisher.close`).
+        """
+        self._owned.close()
+
+    def __enter__(self) -> LoraSyncCallback:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     # -- TrainerCallback events --------------------------------------------------------------
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.publisher is None and state.is_world_process_zero:
-            # Made here, not in __init__: only process zero talks to engines.
-            self.publisher = Publisher(self._engines, **self._publisher_options)  # type: ignore[arg-type]
+            # Made here, not in __init__: only process zero talks to engines. A train() that
+            # raised earlier left its publisher open: a second train() goes on with it.
+            self._owned.publisher = Publisher(self._engines, **self._publisher_options)  # type: ignore[arg-type]
 
     def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         if state.global_step % self.every == 0:
-            self._publish(state, model)
+            with self._closing_on_error():
+                self._publish(state, model)
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, float] | None = None, **kwargs: Any) -> None:
         if not self._pending or logs is None:
@@ -140,11 +203,18 @@ class LoraSyncCallback(TrainerCallback):
             if self.reports:  # training is over: old versions retired, as the caller will look
                 self.reports[-1].settled()
         finally:
-            if self._given is None and self.publisher is not None:
-                self.publisher.close()
-                self.publisher = None
+            self._owned.close()
 
     # -- the work ----------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _closing_on_error(self) -> Iterator[None]:
+        # Training stops when an event raises, and Trainer calls no event after that.
+        try:
+            yield
+        except BaseException:
+            self._owned.close_quietly()
+            raise
 
     def _publish(self, state: Any, model: Any) -> None:
         if model is None:
@@ -156,10 +226,24 @@ class LoraSyncCallback(TrainerCallback):
         adapter = export(model, adapter_name=self.adapter_name)
         export_s = time.perf_counter() - start
         probe = self._probe(model) if self.verify_prompt_ids is not None else None
-        if not state.is_world_process_zero or self.publisher is None:
-            return
+        failure: LoraSyncError | None = None
+        if state.is_world_process_zero and self.publisher is not None:
+            try:
+                failure = self._publish_here(adapter, version, probe, export_s)
+            except LoraSyncError as exc:
+                failure = exc
+        if _world_size() > 1:  # every rank stops at this step, or none does
+            from lorasync.distributed._agree import agree_on_error
+
+            failure = agree_on_error(failure, src=0)
+        if failure is not None:
+            raise failure
+
+    def _publish_here(self, adapter: Any, version: int, probe: Probe | None, export_s: float) -> LoraSyncError | None:
+        """Process zero's publish; returns the error training must stop with, if any."""
+        assert self.publisher is not None
         report = self.publisher.publish(adapter, version=version, verify=probe)
-        self.reports.append(report)
+        self._record(report)
         self._pending = {
             "lorasync/version": float(version),
             "lorasync/ok": 1.0 if report.ok else 0.0,
@@ -170,14 +254,25 @@ class LoraSyncCallback(TrainerCallback):
         }
         if report.ok:
             log.info("published %s to %d engine(s)", report.served_name, len(report.results))
-            return
+            return None
         if self.on_error == "raise":
-            # Training stops here and Trainer never calls on_train_end: release what we made.
-            if self._given is None:
-                self.publisher.close()
-                self.publisher = None
-            report.raise_for_errors()
+            try:
+                report.raise_for_errors()
+            except LoraSyncError as exc:
+                return exc
         log.warning("publish of %s failed on %d engine(s); they keep serving their previous version:\n%s", report.served_name, len(report.failed), report)
+        return None
+
+    def _record(self, report: PublishReport) -> None:
+        # Bounded: one report per step over a 100k-step run would otherwise stay in memory.
+        self.publish_count += 1
+        self.reports.append(report)
+        if not report.ok:
+            self.failure_count += 1
+            self.failures.append(report)
+        if self.keep_reports is not None:
+            del self.reports[: -self.keep_reports]
+            del self.failures[: -self.keep_reports]
 
     def _probe(self, model: Any) -> Probe:
         was_training = model.training
@@ -186,3 +281,37 @@ class LoraSyncCallback(TrainerCallback):
             return Probe.from_model(model, self.verify_prompt_ids or [], max_tokens=self.verify_max_tokens, atol=self.verify_atol)
         finally:
             model.train(was_training)
+
+
+class _Owned:
+    """The Publisher a callback made, closed once by whichever comes first: train end, a
+    failed publish, ``close()``, or the callback's finalizer (garbage collection, exit)."""
+
+    def __init__(self, *, given: Publisher | None) -> None:
+        self.publisher = given
+        self._given = given
+
+    def close(self) -> None:
+        publisher = self.publisher
+        if publisher is None or publisher is self._given:
+            return
+        self.publisher = None
+        publisher.close()
+
+    def close_quietly(self) -> None:
+        """:meth:`close` where no caller can take an error: a finalizer, or an event that is
+        already raising. A collection that happens on a loop the publisher needs hands the
+        close to a thread of its own, where it cannot deadlock."""
+        publisher = self.publisher
+        try:
+            self.close()
+        except BlockingCallError:
+            threading.Thread(target=publisher.close, name="lorasync-callback-close", daemon=True).start()  # type: ignore[union-attr]
+        except Exception as exc:  # noqa: BLE001 - nobody to raise to; say it instead
+            log.warning("closing the callback's publisher failed: %s: %s", type(exc).__name__, exc)
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return int(dist.get_world_size()) if dist.is_available() and dist.is_initialized() else 1

@@ -5,8 +5,10 @@ from typing import Any
 
 from lorasync.testing._fakes import EngineCall, FakeEngine, MemoryEngine
 from lorasync.testing._tiny import TINY_TARGETS, make_peft_model, make_tiny_model, randomize_lora, tiny_config
+from lorasync.testing._tiny_moe import MoeCase, make_moe_case, make_moe_peft_model, make_tiny_moe_model, tiny_moe_config
 
 __all__ = ["TINY_TARGETS", "make_peft_model", "make_tiny_model", "randomize_lora", "tiny_config"]
+__all__ += ["MoeCase", "make_moe_case", "make_moe_peft_model", "make_tiny_moe_model", "tiny_moe_config"]
 __all__ += ["EngineCall", "EngineConformance", "FakeEngine", "MemoryEngine", "tiny_llama_adapter"]
 
 

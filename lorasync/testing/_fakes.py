@@ -14,6 +14,7 @@ import contextlib
 import inspect
 import os
 import threading
+import uuid
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -234,6 +235,7 @@ class MemoryEngine(Engine):
         self._weight_update = weight_update
         self._adapters: dict[str, Adapter] = {}
         self._paths: dict[str, str | None] = {}
+        self._sources: dict[str, str] = {}  # served name -> the path it was read from, or a token per tensor load
         self._failures: dict[str, list[BaseException]] = {}
         self.weights: dict[str, torch.Tensor] = {}
         self.ops: list[str] = []
@@ -330,11 +332,19 @@ class MemoryEngine(Engine):
                 )
             del self._adapters[name]
             del self._paths[name]
+            del self._sources[name]
 
     def list_adapters(self) -> list[str]:
         with self._lock:
             self._enter("list_adapters")
             return list(self._adapters)
+
+    def adapter_sources(self) -> dict[str, str]:
+        """Where each adapter came from: its directory, or a token unique to its tensor load.
+        A listing too: it is recorded as ``list_adapters`` (and fails as ``fail_next`` says)."""
+        with self._lock:
+            self._enter("list_adapters")
+            return dict(self._sources)
 
     def adapters_in_use(self) -> frozenset[str]:
         """Names with a :meth:`request` running (exact: this engine sees every request)."""
@@ -372,3 +382,4 @@ class MemoryEngine(Engine):
             )
         self._adapters[name] = adapter
         self._paths[name] = path
+        self._sources[name] = os.path.abspath(path) if path is not None else f"tensors:{uuid.uuid4().hex}"

@@ -20,24 +20,30 @@ TINY_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 VOCAB = 512
 
 
+#: What every tiny model shares: the tokenizer's vocabulary and special ids, fp32, untied head.
+COMMON: dict[str, Any] = dict(
+    vocab_size=VOCAB,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+    rms_norm_eps=1e-6,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+    torch_dtype="float32",
+)
+
+
 def tiny_config(**overrides: Any) -> Any:
     from transformers import LlamaConfig
 
     values: dict[str, Any] = dict(
-        vocab_size=VOCAB,
+        COMMON,
         hidden_size=256,
         intermediate_size=512,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=64,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-        rms_norm_eps=1e-6,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-        torch_dtype="float32",
     )
     values.update(overrides)
     return LlamaConfig(**values)
@@ -71,6 +77,12 @@ def make_tiny_model(directory: str | os.PathLike[str] | None = None, *, seed: in
 
     torch.manual_seed(seed)
     model = LlamaForCausalLM(tiny_config(**overrides)).eval()
+    return peaked_and_saved(model, directory)
+
+
+def peaked_and_saved(model: Any, directory: str | os.PathLike[str] | None) -> Any:
+    """``model`` with its LM head scaled (peaked logits, EOS never wins), saved with the tokenizer
+    to ``directory`` when given."""
     with torch.no_grad():
         model.lm_head.weight.mul_(40.0)
         model.lm_head.weight[:4].zero_()  # pad/bos/eos/unk sit at logit 0, below the peaks
@@ -103,9 +115,10 @@ def make_peft_model(
 
 
 def randomize_lora(model: Any, *, seed: int, std: float = 0.05) -> None:
-    """Give every lora_A/lora_B weight random values (a "trained" adapter)."""
+    """Give every LoRA factor random values (a "trained" adapter): linear ``lora_A/lora_B``,
+    target-parameter (MoE expert) factors and embeddings' ``lora_embedding_A/B``."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if ".lora_A." in name or ".lora_B." in name:
+            if ".lora_A." in name or ".lora_B." in name or ".lora_embedding_" in name:
                 param.copy_(torch.randn(param.shape, generator=gen) * std)

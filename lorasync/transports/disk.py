@@ -19,7 +19,7 @@ __all__ = ["DiskTransport"]
 
 
 class DiskTransport(Transport):
-    """Write ``<root>/<name>/v<version>`` once, then ``engine.load_adapter(served, path)``.
+    """Write ``<root>/<name>/<run>/v<version>`` once, then ``engine.load_adapter(served, path)``.
 
     Args:
         store (`DiskStore`): where versions live; engines must see the same paths.
@@ -90,7 +90,7 @@ class DiskTransport(Transport):
         start = time.perf_counter()
         await engine.aload_adapter(served, path)
         load_s = time.perf_counter() - start
-        size = sum(f.stat().st_size for f in self.store.path_for(name, version).iterdir())
+        size = sum(f.lstat().st_size for f in self.store.path_for(name, version).iterdir())
         return Delivery(served_name=served, bytes_moved=size, timings={"write": write_s, "load": load_s})
 
 

@@ -4,6 +4,11 @@ Only for engines whose ``capabilities().load_inplace`` is True (the in-process P
 0.32's ``load_inplace`` re-reads files every step and reuses stale prefix-cache blocks, and SGLang
 has no in-place update. Tensors are handed over directly to in-process engines that take them;
 otherwise the version is written to the disk store once and swapped in by path.
+
+A failed verification puts the previous version back (:meth:`InPlaceTransport.restore`) from what
+the publisher kept of it: the version's files, or an owned copy (design invariant 7). Never from
+the Adapter it was published from: a no-copy export wraps the trainer's tensors, which the
+optimizer has moved on since.
 """
 
 from __future__ import annotations
@@ -58,9 +63,13 @@ class InPlaceTransport(Transport):
         timings["load"] = time.perf_counter() - start
         return Delivery(served_name=name, bytes_moved=adapter.nbytes, timings=timings)
 
-    async def restore(self, engine: Engine, *, name: str, previous: Adapter) -> None:
-        """Put ``previous`` back under ``name`` (after a failed verification)."""
-        await engine.areplace_adapter_tensors(name, previous)
+    async def restore(self, engine: Engine, *, name: str, previous: Adapter | str) -> None:
+        """Put a previous version back under ``name`` (after a failed verification): from its
+        directory (a path) or from an owned copy of it (never the trainer's live tensors)."""
+        if isinstance(previous, str):
+            await engine.areplace_adapter(name, previous)
+        else:
+            await engine.areplace_adapter_tensors(name, previous)
 
     async def retire(self, engine: Engine, *, name: str, version: int, served: str) -> None:
         """Nothing to unload: the name stays, its weights were replaced."""

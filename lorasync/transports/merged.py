@@ -5,7 +5,14 @@ engine's already-merged weight), streamed to the engine in buckets of bounded si
 of one publish that need the same buckets share one fold (:class:`~lorasync.transports._fold.SharedFold`). Modules an
 earlier merge touched but this adapter does not get their pristine W0 back. The engine brackets
 the buckets (``begin/end_weight_update``) so requests never see half an update; if a bucket
-fails, the previous merge is pushed back before the error propagates.
+fails, the previous merge is pushed back before the error propagates, and after a failed
+verification :meth:`MergedTransport.rollback` does the same.
+
+What is merged, and what a roll-back pushes, is folded from an owned copy of the adapter
+(:class:`~lorasync.transports._snapshot.OwnedAdapter`, taken once per publish; the publisher
+hands one over), never from the trainer's tensors (design invariant 7): a no-copy export's
+tensors have moved on by the time the previous merge is put back. The copy is of the LoRA
+factors only, small beside the base weights every merge folds and pushes.
 
 Cancellation (``asyncio.wait_for``, ``task.cancel``) is an exit path like any other: every engine
 step runs in a worker thread that a cancel cannot stop, so each step is waited for before the
@@ -18,14 +25,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Iterator
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from lorasync.transports._transport import Delivery, Transport
+from lorasync.transports._transport import finish as _finish
 from lorasync.transports._base_weights import BaseWeights
 from lorasync.transports._fold import SharedFold, fold_buckets
+from lorasync.transports._snapshot import owned_copy
 
 if TYPE_CHECKING:
     from lorasync._adapter import Adapter
@@ -33,9 +42,15 @@ if TYPE_CHECKING:
 
 __all__ = ["MergedTransport"]
 
-T = TypeVar("T")
 
 DEFAULT_BUCKET_BYTES = 256 * 1024 * 1024
+
+# What each engine holds now (by ``Engine.instance_id``), as far as this process knows: the
+# merged transport that merged it last and the owned copy it merged. Two publishers of this
+# process merging into one engine (two jobs) thus restore each other's modules, roll a failed
+# merge back to what the engine really held, and know when theirs was overwritten (``serves``).
+# What other processes merge into an engine cannot be known here.
+_HELD: dict[str, tuple[object, Adapter]] = {}
 
 
 class MergedTransport(Transport):
@@ -54,34 +69,42 @@ class MergedTransport(Transport):
         self.base = base
         self.bucket_bytes = bucket_bytes
         self.device = device
-        self._merged: dict[int, Adapter] = {}  # id(engine) -> adapter merged there now
-        # One fold per publish for every engine that needs the same buckets: key -> [fold, engines in flight].
+        self._previous: dict[int, tuple[object, Adapter] | None] = {}  # id(engine) -> what it held before our last merge
+        # One fold per publish for every engine that needs the same buckets: key -> [fold, engines in flight, owned copy].
         self._shared: dict[tuple[Any, ...], list[Any]] = {}
+        self._token = object()  # this transport, in _HELD
 
     def unsupported(self, caps: Capabilities) -> str | None:
         if not caps.weight_update:
             return "engine has no weight-update route"
         return None
 
+    def serves(self, engine: Engine) -> bool:
+        """Whether ``engine`` still holds this transport's last merge as far as this process can
+        tell (False once another publisher of this process merged into it, or restored it)."""
+        held = _HELD.get(engine.instance_id)
+        return held is not None and held[0] is self._token
+
     async def deliver(self, adapter: Adapter, engine: Engine, caps: Capabilities, *, name: str, version: int, served: str) -> Delivery:
-        previous = self._merged.get(id(engine))
-        restore = set(previous.modules) if previous is not None else set()
+        held = _HELD.get(engine.instance_id)  # whoever merged it: its modules go back to W0 unless this one touches them
+        restore = set(held[1].modules) if held is not None else set()
         start = time.perf_counter()
         key = (version, id(adapter), frozenset(restore), tuple(map(tuple, caps.fused_modules)))
-        entry = self._shared.setdefault(key, [None, 0])
+        entry = self._shared.setdefault(key, [None, 0, None])
         if entry[0] is None:
-            entry[0] = SharedFold(lambda: fold_buckets(adapter, self.base, bucket_bytes=self.bucket_bytes, restore=restore, fused=caps.fused_modules, device=self.device))
-        shared, entry[1] = entry[0].join(), entry[1] + 1  # joined before any await: all engines of the publish
+            entry[2] = owned = owned_copy(adapter)  # one copy for every engine of the publish (none when given one)
+            entry[0] = SharedFold(lambda: fold_buckets(owned, self.base, bucket_bytes=self.bucket_bytes, restore=restore, fused=caps.fused_modules, device=self.device))
+        shared, entry[1], merging = entry[0].join(), entry[1] + 1, entry[2]  # joined before any await: all engines of the publish
         try:
-            moved = await self._deliver(engine, adapter, previous, restore, caps, shared)
+            moved = await self._deliver(engine, merging, held, restore, caps, shared)
         finally:
             entry[1] -= 1
             if entry[1] == 0 and self._shared.get(key) is entry:
                 del self._shared[key]
-        self._merged[id(engine)] = adapter
         return Delivery(served_name="", bytes_moved=moved, timings={"load": time.perf_counter() - start})
 
-    async def _deliver(self, engine: Engine, adapter: Adapter, previous: Adapter | None, restore: set[str], caps: Capabilities, shared: Iterator[dict[str, torch.Tensor]] | None) -> int:
+    async def _deliver(self, engine: Engine, adapter: Adapter, held: tuple[object, Adapter] | None, restore: set[str], caps: Capabilities, shared: Iterator[dict[str, torch.Tensor]] | None) -> int:
+        previous = held[1] if held is not None else None
         await _begin(engine)
         try:
             try:
@@ -93,7 +116,7 @@ class MergedTransport(Transport):
                 # serves half of this version; a second cancel must not cut that short.
                 await _finish(self._push(engine, previous, set(adapter.modules), caps))
                 raise
-            self._merged[id(engine)] = adapter  # before the end: a cancel there keeps it true
+            _HELD[engine.instance_id], self._previous[id(engine)] = (self._token, adapter), held  # before the end: a cancel there keeps it true
         finally:
             await _finish(engine.aend_weight_update())
         return moved
@@ -116,44 +139,46 @@ class MergedTransport(Transport):
     async def retire(self, engine: Engine, *, name: str, version: int, served: str) -> None:
         """Nothing to unload: the next merge replaces this one."""
 
+    async def rollback(self, engine: Engine, caps: Capabilities) -> bool:
+        """Put back what the engine held before this transport's last merge into it (after a
+        failed verification), folded from the owned copy kept of it, or the pristine base.
+
+        Returns:
+            Whether a merge (not the pristine base) serves again.
+        """
+        held = _HELD.get(engine.instance_id)
+        if held is None or held[0] is not self._token:
+            return held is not None  # what the engine holds is not ours to take back
+        before = self._previous.pop(id(engine), None)
+        await _begin(engine)
+        try:
+            await _finish(self._push(engine, before[1] if before is not None else None, set(held[1].modules), caps))
+        finally:
+            if before is None:
+                _HELD.pop(engine.instance_id, None)
+            else:
+                _HELD[engine.instance_id] = before
+            await _finish(engine.aend_weight_update())
+        return before is not None
+
     async def restore(self, engine: Engine, caps: Capabilities) -> int:
-        """Put the pristine base weights back on every module a merge touched; bytes pushed."""
-        previous = self._merged.pop(id(engine), None)
-        if previous is None:
+        """Put the pristine base weights back on every module this transport's merge touched,
+        if the engine still holds it; bytes pushed."""
+        self._previous.pop(id(engine), None)
+        held = _HELD.get(engine.instance_id)
+        if held is None or held[0] is not self._token:
             return 0
         await _begin(engine)
         try:
-            return await _finish(self._push(engine, None, set(previous.modules), caps))
+            return await _finish(self._push(engine, None, set(held[1].modules), caps))
         finally:
+            _HELD.pop(engine.instance_id, None)
             await _finish(engine.aend_weight_update())
 
 
 def _stop(reader: Any) -> None:
     """Leave the shared fold (a reader still folding in a worker thread leaves when it ends)."""
     reader.close()
-
-
-async def _finish(awaitable: Awaitable[T]) -> T:
-    """Await ``awaitable`` to its end even if the caller is cancelled meanwhile; a cancel that
-    arrived is raised (``CancelledError``) once it has finished.
-
-    Raises:
-        asyncio.CancelledError: the caller was cancelled while it ran (it did complete).
-        Exception: whatever ``awaitable`` raised.
-    """
-    task = asyncio.ensure_future(awaitable)
-    cancelled = False
-    while True:
-        try:
-            result = await asyncio.shield(task)
-            break
-        except asyncio.CancelledError:
-            if task.done():  # the work itself was cancelled, not just the caller
-                raise
-            cancelled = True
-    if cancelled:
-        raise asyncio.CancelledError
-    return result
 
 
 async def _begin(engine: Engine) -> None:

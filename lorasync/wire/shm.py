@@ -4,10 +4,13 @@ The producer copies the file bytes once into a segment; a consumer in another pr
 engine worker) attaches by name and copies the tensors out once (:func:`read_segment`), so
 ``safetensors.torch.load(bytes(segment))`` reads it too; no pickle is involved anywhere.
 
-Every segment is made by :func:`create_segment`, which records it as this process's own: an
-attaching consumer in the same process must not unregister it from the resource tracker (which
-would leak it if the producer dies), and a consumer in another process must (Python < 3.13
-would otherwise unlink the producer's segment when the consumer exits).
+Every segment is made by :func:`create_segment`, which registers it with this process's resource
+tracker (so it is unlinked if the producer dies). A consumer attaches without registering it
+(:func:`attach`): Python < 3.13 registers attached segments too, and then either the consumer's
+tracker unlinks the producer's segment when the consumer exits (a separate process tree, e.g. a
+vLLM server), or — when the consumer shares the producer's tracker, as vLLM's workers spawned
+by an in-process ``vllm.LLM`` do — an unregistering consumer took the producer's registration
+away, and the producer's unlink made the tracker print a ``KeyError`` traceback per segment.
 
 Fan-out: inside :func:`sharing` (the IPC transport opens one :class:`SegmentScope` per publish
 for all its engines), :func:`write_segment` and ``wire.d2h.to_shm_segment`` make each distinct
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -34,9 +38,9 @@ from lorasync.errors import StorageError, WireFormatError
 from lorasync.wire.layout import plan
 from lorasync.wire.views import read
 
-__all__ = ["SegmentScope", "ShmSegment", "create_segment", "read_segment", "shared", "sharing", "write_segment"]
+__all__ = ["SegmentScope", "ShmSegment", "attach", "create_segment", "read_segment", "shared", "sharing", "write_segment"]
 
-_OWNED: set[str] = set()  # segments created by this process
+_TRACKING = threading.Lock()  # attach() switches registration off for a moment: not while a segment is made
 
 
 @dataclass
@@ -54,7 +58,6 @@ class ShmSegment:
             self._shm.unlink()
         except FileNotFoundError:
             pass
-        _OWNED.discard(self.name)
 
     def __enter__(self) -> ShmSegment:
         return self
@@ -133,7 +136,8 @@ def create_segment(nbytes: int, fill: Callable[[torch.Tensor], None]) -> ShmSegm
         StorageError: the segment cannot be created (``/dev/shm`` full or not writable).
     """
     try:
-        shm = shared_memory.SharedMemory(create=True, size=max(1, nbytes))
+        with _TRACKING:
+            shm = shared_memory.SharedMemory(create=True, size=max(1, nbytes))
     except OSError as exc:
         raise StorageError(f"cannot create a shared-memory segment of {nbytes} bytes: {exc}; free space in /dev/shm or use transport='disk'") from exc
     try:
@@ -147,7 +151,6 @@ def create_segment(nbytes: int, fill: Callable[[torch.Tensor], None]) -> ShmSegm
         shm.close()
         shm.unlink()
         raise
-    _OWNED.add(shm.name)
     return ShmSegment(name=shm.name, nbytes=nbytes, _shm=shm)
 
 
@@ -168,6 +171,24 @@ def write_segment(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, st
     return shared(tensors, metadata, make)
 
 
+def attach(name: str) -> shared_memory.SharedMemory:
+    """Attach to segment ``name`` without registering it with this process's resource tracker
+    (it is the producer's; see the module docstring).
+
+    Raises:
+        FileNotFoundError, ValueError: no such segment.
+    """
+    if sys.version_info >= (3, 13):
+        return shared_memory.SharedMemory(name=name, create=False, track=False)
+    with _TRACKING:
+        register = resource_tracker.register
+        resource_tracker.register = lambda *args, **kwargs: None  # what track=False does on 3.13
+        try:
+            return shared_memory.SharedMemory(name=name, create=False)
+        finally:
+            resource_tracker.register = register
+
+
 def read_segment(name: str, nbytes: int | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Attach to segment ``name`` and copy its tensors out (the producer may then unlink it).
 
@@ -179,17 +200,9 @@ def read_segment(name: str, nbytes: int | None = None) -> tuple[dict[str, torch.
         StorageError: no segment of that name exists (the producer released it or died).
     """
     try:
-        shm = shared_memory.SharedMemory(name=name, create=False)
+        shm = attach(name)
     except (FileNotFoundError, ValueError) as exc:
         raise StorageError(f"shared-memory segment {name} does not exist: {exc}; the producer released it or died, publish again") from exc
-    # Python < 3.13 registers attached segments with the resource tracker, which would unlink
-    # the producer's segment when this process exits; only the producer owns it. (In the
-    # producer's own process the registration is the producer's and stays.)
-    if name not in _OWNED:
-        try:
-            resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
-        except Exception:  # noqa: BLE001 - best effort: the tracker may not know it
-            pass
     try:
         return read(shm.buf, nbytes, what=f"shared-memory segment {name}")
     finally:

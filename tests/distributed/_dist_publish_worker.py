@@ -109,9 +109,24 @@ def _served(engines, out: str, tag: str) -> None:
     _dump(os.path.join(out, f"{tag}-served.json"), listing)
 
 
+def _slow_unload_engine(url: str, seconds: float):
+    """A MemoryEngine whose unloads take ``seconds``: retirement lags behind ``publish`` as it
+    does on a loaded box, so a listing read before the retirement settled shows the old version."""
+    import time
+
+    from lorasync.testing import MemoryEngine
+
+    class SlowUnload(MemoryEngine):
+        def unload_adapter(self, name: str) -> None:
+            time.sleep(seconds)
+            super().unload_adapter(name)
+
+    return SlowUnload(url)
+
+
 def run_memory(rank: int, world: int, port: int, out: str) -> None:
     """Two nodes of two ranks (node from LOCAL_RANK / LOCAL_WORLD_SIZE, as torchrun sets them):
-    node 0 = ranks 0, 1 with one MemoryEngine; node 1 = ranks 2, 3 with two."""
+    node 0 = ranks 0, 1 with one MemoryEngine (slow to unload); node 1 = ranks 2, 3 with two."""
     os.environ["LOCAL_WORLD_SIZE"] = "2"
     os.environ["LOCAL_RANK"] = str(rank % 2)
     os.environ.pop("GROUP_RANK", None)
@@ -125,6 +140,8 @@ def run_memory(rank: int, world: int, port: int, out: str) -> None:
         engines = []
         if rank % 2 == 0:
             engines = [MemoryEngine(f"memory://node{node}-e{i}") for i in range(1 + node)]
+        if rank == 0:  # src leads node 0: its own retirement runs behind its publish
+            engines = [_slow_unload_engine("memory://node0-e0", 0.5)]
         root = os.path.join(out, f"root-node{node}")
         timeout = datetime.timedelta(seconds=45)
         log: list[dict[str, Any]] = []
@@ -146,6 +163,7 @@ def run_memory(rank: int, world: int, port: int, out: str) -> None:
                 outcome[tag] = type(exc).__name__
             _dump(os.path.join(out, f"{tag}-collectives-{rank}.json"), log[start:])
             if engines:
+                pub.settled()  # publish returns before old versions are retired; look once they are
                 _served(engines, out, f"{tag}-node{node}")
 
         step("v1", 1, 1)
@@ -238,5 +256,42 @@ def run_vllm(rank: int, world: int, port: int, out: str, vllm_url: str, dead_url
         if report is not None:
             _dump(os.path.join(out, "report.json"), report.to_dict())
         _dump(os.path.join(out, f"outcome-{rank}.json"), {"report": report is not None, "leaders": pub.leaders})
+        pub.close()
+        _finish(dist)
+
+
+def run_raise(rank: int, world: int, port: int, out: str) -> None:
+    """Two ranks, one node each (both leaders), ``on_error="raise"``: node 1's engine fails the
+    second load. Every rank must raise the same typed error at that publish, then go on."""
+    import time
+
+    os.environ["LOCAL_WORLD_SIZE"] = "1"
+    os.environ["LOCAL_RANK"] = "0"
+    os.environ.pop("GROUP_RANK", None)
+    with _reported_errors(out, rank):
+        dist = _init(rank, world, port)
+        from lorasync.distributed import DistributedPublisher
+        from lorasync.errors import EngineUnavailableError, LoraSyncError
+        from lorasync.testing import MemoryEngine
+
+        engine = MemoryEngine(f"memory://node{rank}-e0")
+        pub = DistributedPublisher(
+            name="policy", engines=[engine], root=os.path.join(out, f"root-node{rank}"), keep=1,
+            timeout=datetime.timedelta(seconds=30), on_error="raise",
+        )
+        outcome: dict[str, Any] = {}
+        for version in (1, 2, 3):
+            if rank == 1 and version == 2:
+                engine.fail_next("load_adapter", EngineUnavailableError("engine down", engine="memory", url=engine.url, attempts=3))
+            start = time.monotonic()
+            try:
+                report = pub.publish(make_adapter(version) if rank == 0 else None, version=version)
+                outcome[f"v{version}"] = {"raised": None, "report": None if report is None else report.ok}
+            except LoraSyncError as exc:
+                outcome[f"v{version}"] = {"raised": type(exc).__name__, "message": str(exc), "context": exc.context}
+            outcome[f"v{version}"]["seconds"] = time.monotonic() - start
+            pub.settled()
+            outcome[f"v{version}"]["served"] = sorted(engine.list_adapters())
+        _dump(os.path.join(out, f"raise-outcome-{rank}.json"), outcome)
         pub.close()
         _finish(dist)

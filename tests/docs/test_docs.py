@@ -1,34 +1,42 @@
-"""Every code block of README.md and docs/**/*.md runs here, so the docs cannot rot.
+"""Every code block of README.md and docs/**/*.md runs here as written, so the docs cannot rot.
 
 New files under docs/ are picked up automatically. One test per fenced block, named
-``FILE:LINE``. What a block's info string means:
+``FILE:LINE``. Nothing is injected: a block runs with what it defines and imports itself, or
+with what an earlier block it declares to continue left behind. What a block's info string means:
 
-* ``python``: executed; the python blocks of one file share one namespace, in order (a page reads
-  top to bottom). The namespace starts with a small real training context, so snippets can say
-  what a trainer has: ``peft_model`` (the tiny local Llama with a PEFT LoRA, on CPU),
-  ``train_step()`` (one Adam step on it, returns the loss), ``prompt_ids``, ``step``/``steps``,
-  ``rank`` (0), ``base_dir`` (the tiny base checkpoint).
+* ``python``: executed in this test's Python (the library venv, ``.venv``) with
+  ``__name__ == "__main__"``, in a fresh namespace unless the block is marked ``continues``.
 * ``bash``/``sh``/``shell``: executed with ``bash -euo pipefail`` from the repository root,
-  ``.venv/bin/`` meaning this test's Python environment, ``/tmp/`` a fresh temp directory and
-  port 8000 a free port (so a server a block starts collides with nothing); whatever the block
-  leaves running is killed with its process group.
-  A block that installs packages (``pip install``) or runs the tests (``pytest``,
-  ``scripts/test.sh``) fails instead of running: it would change the suite's own environment
-  or run the suite inside itself, so it must be marked ``skip``.
+  ``.venv/bin/`` meaning this test's Python environment, ``/tmp/`` the page's own temp directory
+  (shared by the page's bash and file blocks) and port 8000 a free port (so a server a block
+  starts collides with nothing); whatever the block leaves running is killed with its process
+  group. A block that installs packages (``pip install``) or runs the tests (``pytest``,
+  ``scripts/test.sh``) fails instead of running: it would change the suite's own environment or
+  run the suite inside itself, so it must be marked ``skip``.
 * ``toml``/``json``: parsed. ``text``: not code (output, diagrams). A fence with no language
   fails: say ``text`` when it is not code.
 
-Markers, an HTML comment on the line right before the fence (visible in the doc source):
+Markers, HTML comments on the lines right before the fence (visible in the doc source):
 
-* ``<!-- docs-test: skip: REASON -->``: not run; the reason is required and shows in the test
-  report. For setup commands the test command itself runs, and for hardware CI lacks.
-* ``<!-- docs-test: vllm -->``: runs against the session's real vLLM CPU server
-  (tests/conftest.py, served model ``tiny-base`` on the tiny model);
-  ``http://127.0.0.1:8000`` in the block means that server, and every adapter is unloaded from
-  it after the block.
+* ``<!-- docs-test: skip: REASON -->``: not run. The reason shows in the report and must name the
+  test that covers the block (``tests/...py``, optionally ``::test_name``; both are checked to
+  exist) or say ``no test can: WHY``.
+* ``<!-- docs-test: continues -->``: a python block that goes on where the nearest earlier
+  running python block of the same page left off (its names, its objects), as a reader running
+  the page top to bottom would. ``continues: NAME`` continues the block marked
+  ``<!-- docs-test: name: NAME -->`` instead. Run alone, the test re-runs the blocks it continues.
+* ``<!-- docs-test: file: /tmp/NAME -->``: the block is a file a later bash block runs; it is saved
+  verbatim in the page's temp dir (python is compiled, not run, by its own test).
+* ``<!-- docs-test: vllm -->``: runs against the session's real vLLM CPU server (tests/conftest.py,
+  served model ``tiny-base``, the tiny model of ``lorasync.testing.make_tiny_model``):
+  ``127.0.0.1:8000`` in the block means that server and ``/models/base`` the model directory it
+  serves (the page says so); every adapter is unloaded from it after the block.
+* ``<!-- docs-test: vllm-venv -->``: a bash block that runs the vLLM engine venv's python (the page
+  says how); skipped without that venv like every vLLM test (``LORASYNC_REQUIRE_VLLM=1`` fails
+  instead), with ``$LORASYNC_VLLM_PYTHON`` set to it.
 
-In every block ``/models/base`` means the tiny base checkpoint, and the disk transport's default
-root is the block's own temp dir (tests never write to the shared ``/dev/shm/lorasync``).
+In python blocks the disk transport's default root is the block's own temp dir (tests never
+write to the shared ``/dev/shm/lorasync``).
 """
 
 from __future__ import annotations
@@ -36,139 +44,92 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import re
+import signal
 import subprocess
 import sys
-import textwrap
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-FENCE = re.compile(r"^(?P<indent> {0,3})(?P<fence>`{3,}|~{3,})\s*(?P<info>[^`\s]*)[^`]*$")
-MARKER = re.compile(r"^\s*<!--\s*docs-test:\s*(?P<body>.*?)\s*-->\s*$")
-RUN_PYTHON = {"python", "py", "pycon"}
-RUN_BASH = {"bash", "sh", "shell"}
-PARSE = {"toml", "json"}
-NOT_CODE = {"text"}
+sys.path.insert(0, str(Path(__file__).parent))
+from _blocks import NOT_CODE, REPO, RUN_BASH, RUN_PYTHON, Block, blocks_of, chain, doc_files, marker_problem, skip_problem  # noqa: E402
+
+PAGES = {path: blocks_of(path) for path in doc_files()}
+BLOCKS = [b for page in PAGES.values() for b in page]
 VLLM_URL = "http://127.0.0.1:8000"
-
-
-@dataclass
-class Block:
-    path: Path
-    line: int
-    lang: str
-    code: str
-    markers: list[str] = field(default_factory=list)
-
-    @property
-    def id(self) -> str:
-        return f"{self.path.relative_to(REPO)}:{self.line}"
-
-
-def doc_files() -> list[Path]:
-    return [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
-
-
-def blocks_of(path: Path) -> list[Block]:
-    lines = path.read_text().splitlines()
-    out: list[Block] = []
-    i = 0
-    while i < len(lines):
-        match = FENCE.match(lines[i])
-        if not match:
-            i += 1
-            continue
-        fence, start = match["fence"], i
-        markers = []
-        j = i - 1
-        while j >= 0 and MARKER.match(lines[j]):
-            markers.insert(0, MARKER.match(lines[j])["body"])  # type: ignore[index]
-            j -= 1
-        body = []
-        i += 1
-        while i < len(lines) and not (lines[i].strip().startswith(fence[0] * len(fence)) and not lines[i].strip().strip(fence[0])):
-            body.append(lines[i])
-            i += 1
-        out.append(Block(path, start + 1, match["info"].lower(), textwrap.dedent("\n".join(body)) + "\n", markers))
-        i += 1
-    return out
-
-
-BLOCKS = [b for path in doc_files() for b in blocks_of(path)]
 
 
 def _param(block: Block) -> Any:
     # Blocks that need the real vLLM carry the suite's `vllm` mark: `-m "not vllm"` skips them.
-    needs_vllm = any(m.strip() == "vllm" for m in block.markers) or "vllm.entrypoints" in block.code
+    needs_vllm = any(block.marker(m) is not None for m in ("vllm", "vllm-venv")) or "vllm.entrypoints" in block.code
     return pytest.param(block, id=block.id, marks=[pytest.mark.vllm] if needs_vllm else [])
-
-
-def _marker(block: Block, name: str) -> str | None:
-    for m in block.markers:
-        head, _, rest = m.partition(":")
-        if head.strip() == name:
-            return rest.strip()
-    return None
 
 
 def test_harness_finds_the_docs() -> None:
     files = {b.path.name for b in BLOCKS}
-    assert {"README.md", "getting-started.md", "recipes.md"} <= files
-    assert sum(b.lang in RUN_PYTHON for b in BLOCKS) >= 10
+    assert {"README.md", "getting-started.md", "recipes.md", "vllm-inprocess.md"} <= files
+    assert sum(b.runs_python for b in BLOCKS) >= 10
 
 
-# -- the training context python blocks start with ---------------------------------------------
+def test_skip_reasons_must_name_a_covering_test() -> None:
+    assert skip_problem("") is not None
+    assert "names no test" in (skip_problem("needs a GPU") or "")
+    assert "does not exist" in (skip_problem("tests/engines/test_no_such_file.py runs it") or "")
+    assert "has no test" in (skip_problem("tests/docs/test_docs.py::test_no_such_test runs it") or "")
+    assert skip_problem("tests/docs/test_docs.py::test_doc_block runs it") is None
+    assert skip_problem("needs a GPU; no test can: CI has none") is None
+
+
+def test_continues_must_name_a_block_that_runs() -> None:
+    def block(line: int, *markers: str) -> Block:
+        return Block(REPO / "docs" / "page.md", line, "python", "x = 1\n", list(markers))  # never read
+
+    skipped, setup = block(1, "skip: no test can: an example"), block(5, "name: setup")
+    goes_on, named = block(9, "continues"), block(13, "continues: setup")
+    assert "no earlier python block" in (marker_problem(goes_on, [skipped, goes_on]) or "")
+    assert "no earlier block" in (marker_problem(named, [skipped, named]) or "")
+    skipped_setup = block(1, "name: setup", "skip: tests/docs runs it")
+    assert "does not run" in (marker_problem(named, [skipped_setup, named]) or "")
+    assert marker_problem(goes_on, [skipped, setup, goes_on]) is None
+    assert [b.line for b in chain(named, [setup, goes_on, named])] == [5, 13]
+    assert [b.line for b in chain(goes_on, [setup, goes_on])] == [5, 9]
+    assert "unknown marker" in (marker_problem(block(1, "skipp: x"), []) or "")
+
+
+# -- running the blocks ------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="session")
-def namespaces() -> dict[Path, dict[str, Any]]:
+def namespaces() -> dict[str, dict[str, Any]]:
+    """The namespace each python block left, by block id (continuing blocks share one)."""
     return {}
 
 
-def _context(base_dir: Path) -> dict[str, Any]:
-    import warnings
-
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from lorasync.testing import make_peft_model
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        model = make_peft_model(AutoModelForCausalLM.from_pretrained(str(base_dir)), seed=7, std=0.02)
-    optim = torch.optim.Adam([p for n, p in model.named_parameters() if "lora_" in n], lr=1e-3)
-    ids = torch.tensor([[11, 42, 77, 105, 300, 200, 201, 202]])
-
-    def train_step(*_: Any, **__: Any) -> float:
-        model.train()
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        model.eval()
-        return float(loss.detach())
-
-    return {"peft_model": model, "train_step": train_step, "prompt_ids": [11, 42, 77], "step": 1, "steps": 3, "rank": 0, "base_dir": str(base_dir)}
+@pytest.fixture(scope="session")
+def page_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[Path, Path]:
+    return {}
 
 
-def _substitute(code: str, *, base_dir: Path, tmp: Path, vllm_url: str | None) -> str:
-    code = code.replace("/models/base", str(base_dir))
-    if vllm_url is not None:
-        code = code.replace(VLLM_URL, vllm_url)
-    return code
+def _page_dir(path: Path, page_dirs: dict[Path, Path], factory: pytest.TempPathFactory) -> Path:
+    """The page's /tmp/, with the page's file blocks saved in it."""
+    if path not in page_dirs:
+        tmp = factory.mktemp(f"page-{path.stem}")
+        for b in PAGES[path]:
+            if (name := b.marker("file")) is not None and b.marker("skip") is None:
+                (tmp / name.removeprefix("/tmp/")).write_text(b.code)
+        page_dirs[path] = tmp
+    return page_dirs[path]
 
 
 @pytest.mark.parametrize("block", [_param(b) for b in BLOCKS])
-def test_doc_block(block: Block, request: pytest.FixtureRequest, namespaces: dict[Path, dict[str, Any]], tmp_path: Path) -> None:
-    skip = _marker(block, "skip")
-    if skip is not None:
-        if not skip:
-            pytest.fail(f"{block.id}: 'docs-test: skip' needs a reason: <!-- docs-test: skip: WHY -->")
+def test_doc_block(block: Block, request: pytest.FixtureRequest, namespaces: dict[str, dict[str, Any]], page_dirs: dict[Path, Path], tmp_path: Path) -> None:
+    page = PAGES[block.path]
+    problem = marker_problem(block, page)
+    if problem:
+        pytest.fail(f"{block.id}: {problem}")
+    if (skip := block.marker("skip")) is not None:
         pytest.skip(f"{block.id}: {skip}")
     if not block.lang:
         pytest.fail(f"{block.id}: a fence without a language; write ```python/```bash to run it or ```text when it is not code")
@@ -183,22 +144,37 @@ def test_doc_block(block: Block, request: pytest.FixtureRequest, namespaces: dic
         return
     if block.lang not in RUN_PYTHON | RUN_BASH:
         pytest.fail(f"{block.id}: language {block.lang!r} is neither run nor parsed; use python, bash, toml, json or text")
-    base_dir = request.getfixturevalue("tiny_model_dir")
-    vllm_url = None
-    if _marker(block, "vllm") is not None:
-        vllm_url = request.getfixturevalue("vllm_server").url
-    code = _substitute(block.code, base_dir=base_dir, tmp=tmp_path, vllm_url=vllm_url)
-    # Tests never write to the shared default store root (/dev/shm/lorasync): blocks that use
-    # the default root get this block's temp dir.
+    if block.marker("file") is not None:
+        _page_dir(block.path, page_dirs, request.getfixturevalue("tmp_path_factory"))
+        if block.lang in RUN_PYTHON:
+            compile(block.code, block.id, "exec")
+        return
+    if block.lang in RUN_BASH:
+        _run_bash(block, request, _page_dir(block.path, page_dirs, request.getfixturevalue("tmp_path_factory")))
+        return
+    # Tests never write to the shared default store root (/dev/shm/lorasync).
     store = pytest.importorskip("lorasync.transports._store")
     if hasattr(store, "default_root"):
         request.getfixturevalue("monkeypatch").setattr(store, "default_root", lambda: tmp_path / "store")
+    blocks = chain(block, page)
+    ns = namespaces.get(blocks[-2].id) if len(blocks) > 1 else None
+    if ns is None:  # run alone (or after a failure): first re-run what this block continues
+        ns = {"__name__": "__main__"}
+        for earlier in blocks[:-1]:
+            _exec_python(earlier, ns, request)
+    _exec_python(block, ns, request)
+    namespaces[block.id] = ns
+
+
+def _exec_python(block: Block, ns: dict[str, Any], request: pytest.FixtureRequest) -> None:
+    code = block.code
+    vllm_url = None
+    if block.marker("vllm") is not None:
+        server = request.getfixturevalue("vllm_server")
+        vllm_url = server.url
+        code = code.replace(VLLM_URL, vllm_url).replace("/models/base", str(request.getfixturevalue("tiny_model_dir")))
     try:
-        if block.lang in RUN_PYTHON:
-            ns = namespaces.setdefault(block.path, {"__name__": f"docs_{block.path.stem}", **_context(base_dir)})
-            exec(compile(code, block.id, "exec"), ns)  # noqa: S102 - the docs are this repo's own
-        else:
-            _run_bash(block, code, tmp_path)
+        exec(compile(code, block.id, "exec"), ns)  # noqa: S102 - the docs are this repo's own
     finally:
         if vllm_url is not None:
             _reset_engine(vllm_url)
@@ -218,27 +194,29 @@ def _reset_engine(url: str) -> None:
 
 
 INSTALLS = re.compile(r"(^|[\s;&|(])(pip|pip3|uv)\s+(install|uninstall)\b|-m\s+pip\s+(install|uninstall)\b")
-
-
 RUNS_TESTS = re.compile(r"-m\s+pytest\b|(^|[\s;&|(])pytest\s|scripts/test\.sh")
 
 
-def _run_bash(block: Block, code: str, tmp: Path) -> None:
+def _run_bash(block: Block, request: pytest.FixtureRequest, tmp: Path) -> None:
     from lorasync.testing.vllm_server import free_port
 
+    code = block.code
     if INSTALLS.search(code):
         # It would change the environment the suite itself runs in.
-        pytest.fail(f"{block.id} installs packages; mark it <!-- docs-test: skip: installs into the environment -->")
+        pytest.fail(f"{block.id} installs packages; mark it <!-- docs-test: skip: installs into the environment; tests/... covers it -->")
     if RUNS_TESTS.search(code):
-        pytest.fail(f"{block.id} runs the test suite inside the test suite; mark it <!-- docs-test: skip: runs tests that CI runs anyway -->")
+        pytest.fail(f"{block.id} runs the test suite inside the test suite; mark it <!-- docs-test: skip: ... -->")
 
     bindir = Path(sys.executable).parent
+    env = {**os.environ, "PATH": f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env.pop("PYTHONPATH", None)  # a block that needs one sets it, as a reader would
+    if block.marker("vllm-venv") is not None:
+        env["LORASYNC_VLLM_PYTHON"] = str(request.getfixturevalue("vllm_python"))
     port = str(free_port())  # a server a block starts never collides with another one
     # /tmp/ first, and only where the block itself writes it: the checkout (and so bindir) may
     # live under /tmp too.
     code = re.sub(r"(?<![\w./-])/tmp/", f"{tmp}/", code).replace(".venv/bin/", f"{bindir}/")
     code = code.replace("127.0.0.1:8000", f"127.0.0.1:{port}").replace("--port 8000", f"--port {port}")
-    env = {**os.environ, "PATH": f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}", "PYTHONPATH": str(REPO)}
     # Own process group: whatever the block leaves running (a server after a failed step) is
     # killed with it.
     proc = subprocess.Popen(["bash", "-euo", "pipefail", "-c", code], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)

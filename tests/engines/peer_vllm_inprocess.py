@@ -10,7 +10,6 @@ the CPU build.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import threading
@@ -32,6 +31,7 @@ from lorasync.errors import (
     RankTooLargeError,
 )
 from lorasync.testing import EngineConformance
+from tests.engines._inproc_host import connect_to, hosted
 
 DATA: dict[str, Any] = json.loads(Path(os.environ.get("LORASYNC_INPROC_DATA", "/nonexistent")).read_text()) if os.environ.get("LORASYNC_INPROC_DATA") else {}
 MODE = os.environ.get("LORASYNC_INPROC_MODE", "llm")
@@ -48,50 +48,14 @@ ARGS = dict(
 )
 
 
-class _AsyncHost:
-    """An AsyncLLM on its own event loop in a thread, as a trainer's rollout loop would hold it."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.llm = self.run(self._make())
-
-    async def _make(self) -> Any:
-        from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
-
-        return AsyncLLM.from_engine_args(AsyncEngineArgs(model=DATA["model_dir"], **ARGS))
-
-    def run(self, coro: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=600)
-
-    def close(self) -> None:
-        self.llm.shutdown()
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=30)
-
-
 @pytest.fixture(scope="module")
 def host() -> Iterator[Any]:
-    if MODE == "async":
-        async_host = _AsyncHost()
-        yield async_host
-        async_host.close()
-    else:
-        from vllm import LLM
-
-        yield LLM(model=DATA["model_dir"], **ARGS)
+    yield from hosted(MODE, DATA["model_dir"], ARGS)
 
 
 @pytest.fixture(scope="module")
 def engine(host: Any) -> VLLMInProcessEngine:
-    if MODE == "async":
-        made = connect("vllm-inprocess", llm=host.llm, loop=host.loop)
-    else:
-        made = connect("vllm-inprocess", llm=host)
-    assert isinstance(made, VLLMInProcessEngine) and made.is_async == (MODE == "async")
-    return made
+    return connect_to(MODE, host)  # type: ignore[no-any-return]
 
 
 def generate(host: Any, engine: VLLMInProcessEngine, served: str, prompt: list[int]) -> list[int]:

@@ -51,10 +51,11 @@ PEER = Path(__file__).resolve().parents[1] / "peers" / "sglang_contract.py"  # S
 
 
 def _sglang_python() -> str | None:
-    """The SGLang venv's python (env LORASYNC_SGLANG_PYTHON, else scripts/sglang-venv.sh's default)."""
-    default = Path(os.environ.get("LORASYNC_ENGINE_CACHE", Path.home() / ".cache/lorasync")) / "sglang-0.5.23/bin/python"
-    python = Path(os.environ.get("LORASYNC_SGLANG_PYTHON") or default)
-    return str(python) if python.exists() else None
+    """The SGLang venv's python when it is ready (lorasync.testing.venvs: the ready marker)."""
+    from lorasync.testing.venvs import engine_venv
+
+    venv = engine_venv("sglang")
+    return str(venv.python) if venv.ready else None
 
 
 @contextlib.contextmanager
@@ -62,7 +63,9 @@ def _contract_server(model_dir: Path, log: Path, *extra: str) -> Iterator[str]:
     """Run the contract server (SGLang's app) on a free port; yield its URL; stop it."""
     python = _sglang_python()
     if python is None:
-        message = "SGLang venv missing: run scripts/sglang-venv.sh (or set LORASYNC_SGLANG_PYTHON)"
+        from lorasync.testing.venvs import engine_venv
+
+        message = engine_venv("sglang").problem or "SGLang venv missing: run scripts/sglang-venv.sh (or set LORASYNC_SGLANG_PYTHON)"
         if os.environ.get("LORASYNC_REQUIRE_SGLANG") == "1":
             pytest.fail(message)
         pytest.skip(message)
@@ -142,20 +145,25 @@ class Peer:
             time.sleep(0.05)
 
 
-@pytest.fixture
-def peer(sglang_server: str) -> Any:
-    """A clean server for each test: no adapters, no open session, empty log; afterwards every
-    body the client sent must have decoded into SGLang's request class with no ignored key."""
-    client = SGLangEngine(sglang_server)
+def clean_peer(url: str) -> Iterator[Peer]:
+    """The server at ``url`` cleaned for a test: no adapters, no open session, empty log;
+    afterwards every body the client sent must have decoded into SGLang's request class with
+    no ignored key."""
+    client = SGLangEngine(url)
     for name in client.list_adapters():
         client.unload_adapter(name)
-    httpx.post(f"{sglang_server}/end_weight_update", json={})
+    httpx.post(f"{url}/end_weight_update", json={})
     client.close()
-    p = Peer(sglang_server)
+    p = Peer(url)
     p.reset()
     yield p
     ignored = [(r["path"], r["unknown"]) for r in p.requests() if r.get("unknown")]
     assert not ignored, f"SGLang would silently ignore these request fields: {ignored}"
+
+
+@pytest.fixture
+def peer(sglang_server: str) -> Iterator[Peer]:
+    yield from clean_peer(sglang_server)
 
 
 @pytest.fixture
@@ -215,7 +223,9 @@ def test_capabilities_come_from_server_info(engine: SGLangEngine, peer: Peer) ->
     assert {"q_proj", "k_proj", "v_proj", "o_proj"} <= caps.target_modules
     assert not {"gate_proj", "up_proj", "down_proj"} & caps.target_modules
     assert caps.tensor_load and caps.weight_update and not caps.load_inplace
-    assert peer.calls() == [("GET", "/server_info")]
+    # 0.5.23 and later: the tensor protocol is read from the routes the server offers.
+    assert peer.calls() == [("GET", "/server_info"), ("GET", "/openapi.json")]
+    assert any("/load_lora_adapter_from_tensors" in note for note in caps.notes)
 
 
 def test_connect_builds_the_sglang_client(peer: Peer) -> None:
@@ -365,7 +375,8 @@ def test_preflight_refuses_before_any_load_request(
         engine.load_adapter_tensors(which, adapter)
     with pytest.raises(error, match=match):
         engine.preflight(adapter)
-    assert peer.calls() == [("GET", "/server_info")] * 2  # no load reached the server
+    # The refusals come first: not even the routes are read, and no load reached the server.
+    assert peer.calls() == [("GET", "/server_info")] * 2
 
 
 @pytest.mark.parametrize(("which", "match"), [("rslora", "normalize_scaling"), ("q_only", "v_proj")])

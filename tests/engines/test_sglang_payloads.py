@@ -102,8 +102,9 @@ def test_get_server_info_is_the_fallback_of_old_servers() -> None:
     op = engine._capabilities_op()
     assert next(op).path == "/server_info"
     assert op.send(httpx.Response(404, json={"detail": "Not Found"})).path == "/get_server_info"
+    assert op.send(httpx.Response(200, json=INFO)).path == "/openapi.json"  # 0.5.23+: the routes decide
     with pytest.raises(StopIteration) as done:
-        op.send(httpx.Response(200, json=INFO))
+        op.send(httpx.Response(200, json={"paths": {"/load_lora_adapter_from_tensors": {}}}))
     caps = done.value.value
     assert caps.max_rank == 16 and caps.target_modules == {"q_proj", "k_proj", "v_proj", "qkv_proj", "gate_proj", "up_proj", "gate_up_proj"}
 
@@ -208,5 +209,6 @@ def test_mixed_ranks_are_refused_for_disk_and_padded_for_tensors() -> None:
     next(op)
     with pytest.raises(IncompatibleAdapterError, match="pad_ranks"):
         op.send(httpx.Response(200, json=INFO))
-    calls = _drive(engine._load_tensors_op("a", adapter, False), {"/server_info": INFO, "/load_lora_adapter_from_tensors": OK_LORA})
+    answers = {"/server_info": INFO, "/openapi.json": {"paths": {"/load_lora_adapter_from_tensors": {}}}, "/load_lora_adapter_from_tensors": OK_LORA}
+    calls = _drive(engine._load_tensors_op("a", adapter, False), answers)
     assert calls[-1].json["config_dict"]["r"] == 4 and calls[-1].json["config_dict"]["lora_alpha"] == 8

@@ -5,6 +5,7 @@ at that step, and the trainer's logs carry the report."""
 
 from __future__ import annotations
 
+import threading
 import warnings
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ import torch
 
 from lorasync import Publisher
 from lorasync.engines import connect
-from lorasync.errors import ConfigError, EngineUnavailableError
+from lorasync.errors import ConfigError, EngineUnavailableError, LoraSyncError
 from lorasync.exporters.fsdp import export
 from lorasync.integrations.trl import LoraSyncCallback
 from lorasync.testing import TINY_TARGETS
@@ -176,9 +177,26 @@ def test_failed_publish_raises_or_warns(tiny_model_dir: Path, tmp_path: Path, ca
 
 
 def test_bad_options_are_typed() -> None:
-    for kwargs in ({"every": 0}, {"on_error": "ignore"}, {"version_offset": -1}, {"verify_prompt_ids": []}):
+    for kwargs in ({"every": 0}, {"every": True}, {"on_error": "ignore"}, {"version_offset": -1}, {"verify_prompt_ids": []}):
         with pytest.raises(ConfigError):
             LoraSyncCallback(["vllm:http://127.0.0.1:1"], **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "says"),
+    [
+        ({"verify_max_tokens": 0}, "verify_max_tokens must be an int >= 1"),
+        ({"verify_max_tokens": 2.5}, "verify_max_tokens must be an int >= 1"),
+        ({"verify_max_tokens": True}, "verify_max_tokens must be an int >= 1"),
+        ({"verify_atol": float("nan")}, "verify_atol must be a number >= 0"),
+        ({"verify_atol": -0.1}, "verify_atol must be a number >= 0"),
+        ({"verify_atol": "0.05"}, "verify_atol must be a number >= 0"),
+    ],
+)
+def test_verification_options_are_checked_when_the_callback_is_made(kwargs, says) -> None:
+    # Before, they failed at the first verified publish, in the middle of training.
+    with pytest.raises(ConfigError, match=says):
+        LoraSyncCallback(["vllm:http://127.0.0.1:1"], verify_prompt_ids=[1, 2], **kwargs)
 
 
 # -- real TRL --------------------------------------------------------------------------------
@@ -239,3 +257,126 @@ def test_trl_sft_trainer_publishes_every_step_to_real_vllm(vllm_server: Any, tin
             if served.startswith(name):
                 engine.unload_adapter(served)
         engine.close()
+
+
+# -- lifetime: a train() that raises leaves nothing behind (issue 28, item 26) --------------------
+
+
+class _RaiseAt(TrainerCallback):
+    """Another part of training fails mid-run (as a data collator or the model would)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step == self.step:
+            raise RuntimeError(f"training failed at step {self.step}")
+
+
+def _lorasync_threads(before: set[Any]) -> list[str]:
+    """Threads started since ``before`` that are still alive (the publisher's loop, its executor)."""
+    return sorted(t.name for t in threading.enumerate() if t not in before and t.is_alive())
+
+
+def _resume(tiny_model_dir: Path, root: Path, run: str, version: int) -> Any:
+    """A new Publisher takes the same run over at once and publishes to it."""
+    model = _peft_model(tiny_model_dir)
+    with Publisher([connect("peft", base_model_path=tiny_model_dir)], name="policy", root=root, run=run, transport="disk") as pub:
+        return pub.publish(export(model), version=version)
+
+
+def test_a_train_that_raises_elsewhere_is_closed_by_the_with_block(tiny_model_dir: Path, tmp_path: Path) -> None:
+    before = set(threading.enumerate())
+    engine = connect("peft", base_model_path=tiny_model_dir)
+    root = tmp_path / "store"
+    with pytest.raises(RuntimeError, match="training failed at step 3"):
+        with LoraSyncCallback([engine], name="policy", root=root, run="exp42", transport="disk", keep=2) as callback:
+            trainer = Trainer(model=_peft_model(tiny_model_dir), args=TrainingArguments(**_args(tmp_path, max_steps=5)),
+                              train_dataset=_dataset(), callbacks=[callback, _RaiseAt(3)])
+            trainer.train()
+    assert [r.version for r in callback.reports] == [1, 2, 3]  # published before the other callback raised
+    assert callback.publisher is None
+    assert _lorasync_threads(before) == []
+    # The run is free at once: a new Publisher resumes it; the store holds that run only.
+    report = _resume(tiny_model_dir, root, "exp42", 4)
+    assert report.ok, str(report)
+    assert [p.name for p in (root / "policy").iterdir()] == ["exp42"]
+
+
+def test_a_train_that_raised_is_closed_by_close_or_when_the_callback_is_collected(tiny_model_dir: Path, tmp_path: Path) -> None:
+    import gc
+
+    before = set(threading.enumerate())
+    root = tmp_path / "store"
+    for run, release in (("by-close", "close"), ("by-gc", "gc")):
+        callback = LoraSyncCallback([connect("peft", base_model_path=tiny_model_dir)], root=root, run=run, transport="disk")
+        trainer = Trainer(model=_peft_model(tiny_model_dir), args=TrainingArguments(**_args(tmp_path, max_steps=3)),
+                          train_dataset=_dataset(), callbacks=[callback, _RaiseAt(1)])
+        with pytest.raises(RuntimeError, match="training failed at step 1"):
+            trainer.train()
+        assert "lorasync-publisher" in _lorasync_threads(before)  # transformers calls no event on failure
+        if release == "close":
+            callback.close()
+            callback.close()  # idempotent
+        else:
+            del callback, trainer
+            gc.collect()
+        assert _lorasync_threads(before) == [], release
+        assert _resume(tiny_model_dir, root, run, 2).ok, release
+
+
+def test_an_export_that_raises_in_the_callback_closes_its_publisher(tiny_model_dir: Path, tmp_path: Path) -> None:
+    before = set(threading.enumerate())
+    callback = LoraSyncCallback([connect("peft", base_model_path=tiny_model_dir)], root=tmp_path / "store", adapter_name="missing")
+    trainer = Trainer(model=_peft_model(tiny_model_dir), args=TrainingArguments(**_args(tmp_path)), train_dataset=_dataset(), callbacks=[callback])
+    with pytest.raises(LoraSyncError, match="missing"):
+        trainer.train()
+    assert trainer.state.global_step == 1
+    assert callback.publisher is None and _lorasync_threads(before) == []
+
+
+def test_reports_are_bounded_and_keep_the_failures(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from lorasync.engines.vllm import VLLMEngine
+    from lorasync.testing.vllm_server import free_port
+
+    engine = connect("peft", base_model_path=tiny_model_dir)
+    dead = VLLMEngine(f"http://127.0.0.1:{free_port()}", retries=1, timeout=2)
+    pub = Publisher([engine], name="policy", root=tmp_path / "store", keep=1)
+    callback = LoraSyncCallback(pub, keep_reports=2, on_error="warn")
+    trainer = Trainer(model=_peft_model(tiny_model_dir), args=TrainingArguments(**_args(tmp_path, max_steps=5)),
+                      train_dataset=_dataset(), callbacks=[callback])
+    trainer.train()
+    assert [r.version for r in callback.reports] == [4, 5]  # the newest two of five
+    assert (callback.publish_count, callback.failure_count, callback.failures) == (5, 0, [])
+    # A failed step is kept in failures while later successes push reports on.
+    failing = Publisher([engine, dead], name="policy", root=tmp_path / "store2", keep=1)
+    callback = LoraSyncCallback(failing, keep_reports=2, on_error="warn", version_offset=10)
+    trainer = Trainer(model=_peft_model(tiny_model_dir), args=TrainingArguments(**_args(tmp_path, max_steps=3)),
+                      train_dataset=_dataset(), callbacks=[callback])
+    trainer.train()
+    assert [r.version for r in callback.reports] == [12, 13]
+    assert [r.version for r in callback.failures] == [12, 13] and callback.failure_count == 3
+    assert all(isinstance(r.failed[0].error, EngineUnavailableError) for r in callback.failures)
+    pub.close()
+    failing.close()
+    with pytest.raises(ConfigError, match="keep_reports must be an int >= 1"):
+        LoraSyncCallback(["vllm:http://127.0.0.1:1"], keep_reports=0)
+    assert LoraSyncCallback(["vllm:http://127.0.0.1:1"], keep_reports=None).keep_reports is None
+
+
+def test_a_failed_publish_stops_every_rank_of_a_distributed_run(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """2 gloo ranks, DDP on CPU: process zero's publish fails at step 1 and every rank's train()
+    raises the same typed error there (before, rank 1 went on into the next all-reduce alone)."""
+    import json
+
+    from _trl_ranks_worker import train_with_a_dead_engine
+    from support import run_distributed
+
+    from lorasync.testing.vllm_server import free_port
+
+    run_distributed(train_with_a_dead_engine, str(tmp_path), str(tiny_model_dir), f"http://127.0.0.1:{free_port()}", world_size=2, timeout_s=240)
+    outcomes = [json.loads((tmp_path / f"trl-outcome-{rank}.json").read_text()) for rank in range(2)]
+    assert [o["world"] for o in outcomes] == [2, 2]
+    assert [(o["raised"], o["step"]) for o in outcomes] == [("EngineUnavailableError", 1)] * 2
+    assert outcomes[0]["message"] == outcomes[1]["message"]
+    assert outcomes[0]["publisher_closed"]

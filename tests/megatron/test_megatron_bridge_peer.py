@@ -51,28 +51,34 @@ EXPORTED = [c["id"] for c in CASES if c["method"] != "dora" and c["id"] != "moe-
 
 def megatron_python() -> Path:
     """The Megatron venv's python: ``LORASYNC_MEGATRON_PYTHON``, else scripts/megatron-venv.sh's cache."""
-    if os.environ.get("LORASYNC_MEGATRON_PYTHON"):
-        return Path(os.environ["LORASYNC_MEGATRON_PYTHON"])
-    cache = Path(os.environ.get("LORASYNC_ENGINE_CACHE") or Path.home() / ".cache" / "lorasync")
-    return cache / "megatron-0.19.2-bridge-0.6.2" / "bin" / "python"
+    from lorasync.testing.venvs import engine_venv
+
+    return engine_venv("megatron").python
 
 
 def _require_python() -> Path:
-    python = megatron_python()
-    if not python.exists():
-        message = f"Megatron venv python {python} not found; run scripts/megatron-venv.sh (LORASYNC_MEGATRON_PYTHON)"
+    from lorasync.testing.venvs import engine_venv
+
+    venv = engine_venv("megatron")
+    if not venv.ready:  # missing or half-built (lorasync.testing.venvs: the ready marker)
+        message = venv.problem or f"Megatron venv python {venv.python} not ready; run scripts/megatron-venv.sh"
         if os.environ.get("LORASYNC_REQUIRE_MEGATRON") == "1":
             pytest.fail(message)
         pytest.skip(message)
-    return python
+    return venv.python
 
 
 @pytest.fixture(scope="module")
 def peer(tmp_path_factory) -> dict[str, dict]:
+    return run_peer(CASES, tmp_path_factory.mktemp("megatron-peer"))
+
+
+def run_peer(cases: list[dict], work: Path) -> dict[str, dict]:
+    """Run ``cases`` in the Megatron venv on 2 gloo ranks (scratch files under ``work/scratch``);
+    the results by case id."""
     python = _require_python()
-    work = tmp_path_factory.mktemp("megatron-peer")
     spec, out = work / "spec.json", work / "results.json"
-    spec.write_text(json.dumps({"world": 2, "scratch": str(work / "scratch"), "cases": CASES}))
+    spec.write_text(json.dumps({"world": 2, "scratch": str(work / "scratch"), "cases": cases}))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
     env.pop("PYTHONHOME", None)
     try:
@@ -85,7 +91,7 @@ def peer(tmp_path_factory) -> dict[str, dict]:
     if proc.returncode != 0 or not out.exists():
         pytest.fail(f"the Megatron peer run failed (rc={proc.returncode}):\n{proc.stderr[-6000:]}")
     results = {r["id"]: r for r in json.loads(out.read_text())}
-    missing = [c["id"] for c in CASES if c["id"] not in results]
+    missing = [c["id"] for c in cases if c["id"] not in results]
     assert not missing, f"no result for {missing}"
     return results
 

@@ -16,11 +16,14 @@ It is a test peer, not part of the wheel, and must run in the SGLang venv
     python tests/peers/sglang_contract.py --port 30000 --model-path DIR \\
         --enable-lora --max-lora-rank 16 --lora-target-modules q_proj v_proj
 
-Every ``sglang.launch_server`` flag is accepted. Test-only routes live under ``/_contract``:
+Every ``sglang.launch_server`` flag is accepted, plus ``--lora-protocol tensors|streamed``:
+``streamed`` serves SGLang main's streamed adapters (PR #36384; see ``sglang_main.py``) instead of
+0.5.23's ``/load_lora_adapter_from_tensors``. Test-only routes live under ``/_contract``:
 ``GET /_contract/requests`` (the request log, with each body's keys checked against SGLang's
 request class: ``unknown`` lists keys SGLang would silently ignore), ``POST /_contract/reset``
-(clear the log and injected faults) and ``POST /_contract/fail`` ``{"path", "status", "times"}``
-(answer the next ``times`` requests to ``path`` with ``status``, before SGLang sees them).
+(clear the log and injected faults) and ``POST /_contract/fail`` ``{"path", "status", "times",
+"after", "delay"}`` (let ``after`` requests to ``path`` through, then answer the next ``times``
+with ``status`` before SGLang sees them, after ``delay`` seconds; status 0 only delays).
 
 Requests in flight, under test control: ``POST /_contract/hold`` ``{"lora_name"}`` makes every
 later ``/generate`` on that adapter stop after SGLang's own ``_validate_and_resolve_lora`` has
@@ -63,6 +66,7 @@ ROUTE_STRUCTS = {
     "/begin_weight_update": "BeginWeightUpdateReqInput",
     "/end_weight_update": "EndWeightUpdateReqInput",
     "/generate": "GenerateReqInput",
+    "/register_lora_adapter": "RegisterLoRAAdapterReqInput",
 }
 
 # Llama packing SGLang applies (lora.py normalize_qkv_proj / normalize_gate_up_proj): packed
@@ -72,6 +76,11 @@ _PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_pr
 
 def _struct_fields(name: str) -> set[str]:
     import msgspec
+
+    if name == "RegisterLoRAAdapterReqInput":  # SGLang main's, recorded (sglang_main_facts.json)
+        from sglang_main import FACTS
+
+        return set(FACTS["structs"][name]) | {"rid", "http_worker_ipc"}
 
     from sglang.srt.managers import io_struct
 
@@ -89,7 +98,8 @@ class _Runner:
         self._scheduler = scheduler
 
     def begin_weight_update(self) -> None:
-        pass
+        if self._scheduler.streamed is not None:
+            self._scheduler.streamed.stash = {}  # SGLang main: each session starts with an empty stash
 
     def end_weight_update(self, *, run_post_load: bool) -> None:
         pass
@@ -97,6 +107,10 @@ class _Runner:
     def update_weights_from_tensor(self, named_tensors: Any, load_format: str | None = None) -> tuple[bool, str]:
         if load_format not in (None, "direct"):
             raise NotImplementedError(f"Unknown load_format={load_format}")
+        if self._scheduler.streamed is not None:  # SGLang main: "{lora}:{key}" tensors go to the stash
+            named_tensors, refusal = self._scheduler.streamed.split(named_tensors)
+            if refusal is not None:
+                return False, refusal
         self._scheduler.load_base_weights(named_tensors)
         return True, "Success"
 
@@ -132,7 +146,7 @@ class _TpWorker:
 class _Scheduler:
     """The scheduler process, in-process: SGLang's LoRAManager and weight updater on CPU."""
 
-    def __init__(self, server_args: Any) -> None:
+    def __init__(self, server_args: Any, *, streamed: bool = False) -> None:
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -192,6 +206,13 @@ class _Scheduler:
         updater._session = None
         updater.tp_cpu_group = torch.distributed.group.WORLD
         self.weight_updater = updater
+        self.lora_enabled = bool(server_args.enable_lora)
+        if streamed:
+            from sglang_main import StreamedLoRA
+
+            self.streamed: Any = StreamedLoRA(self)
+        else:
+            self.streamed = None
 
     # -- requests from the tokenizer manager ------------------------------------------------
 
@@ -210,11 +231,17 @@ class _Scheduler:
         if isinstance(obj, io.LoadLoRAAdapterReqInput):
             return lm._load_lora_adapter(obj.to_ref())
         if isinstance(obj, io.UnloadLoRAAdapterReqInput):
+            if self.streamed is not None:
+                self.streamed.forget(obj.lora_name)
             return lm._unload_lora_adapter(obj.to_ref())
         if isinstance(obj, io.BeginWeightUpdateReqInput):
             return self.weight_updater.begin_weight_update(obj)
         if isinstance(obj, io.EndWeightUpdateReqInput):
-            return self.weight_updater.end_weight_update(obj)
+            out = self.weight_updater.end_weight_update(obj)
+            if self.streamed is None or not out.success:
+                return out
+            success, message = self.streamed.apply()  # SGLang main: after the session closed
+            return io.EndWeightUpdateReqOutput(success=success, message=message)
         if isinstance(obj, io.UpdateWeightsFromTensorReqInput):
             return self.weight_updater.update_weights_from_tensor(obj)
         if isinstance(obj, io.UpdateWeightFromDiskReqInput):
@@ -328,7 +355,7 @@ class _Scheduler:
         return self.model.get_submodule(path)
 
 
-def _fake_tokenizer_manager(server_args: Any, scheduler: _Scheduler) -> Any:
+def _fake_tokenizer_manager(server_args: Any, scheduler: _Scheduler) -> Any:  # noqa: C901 - one class
     """A TokenizerManager whose scheduler link is a function call instead of ZMQ."""
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.lora.lora_registry import LoRARegistry
@@ -366,6 +393,10 @@ def _fake_tokenizer_manager(server_args: Any, scheduler: _Scheduler) -> Any:
             self.is_pause_cond = asyncio.Condition()
             self.initial_weights_loaded = True
             self.lora_registry = LoRARegistry(get_lora().lora_paths)
+            if scheduler.streamed is not None:
+                from sglang_main import never_evict_streamed
+
+                never_evict_streamed(self.lora_registry)
             self.lora_update_lock = asyncio.Lock()
             self.lora_ref_cache: dict[str, Any] = {}
             self.pending_lora_unloads: dict[str, str] = {}
@@ -374,6 +405,11 @@ def _fake_tokenizer_manager(server_args: Any, scheduler: _Scheduler) -> Any:
             self.inflight: dict[str, dict[str, Any]] = {}  # rid -> what the test sees
             self._result_dispatcher = TypeBasedDispatcher([])
             self.init_communicators()
+
+        async def register_lora_adapter(self, obj: Any, request: Any = None) -> Any:
+            from sglang_main import register_lora_adapter
+
+            return await register_lora_adapter(self, obj)
 
         def is_ready(self) -> bool:
             return True
@@ -450,7 +486,7 @@ class _ContractMiddleware:
         self.app = app
         self.manager = manager
         self.log: list[dict[str, Any]] = []
-        self.faults: dict[str, list[int]] = {}
+        self.faults: dict[str, list[dict[str, Any]]] = {}
         self._fields = {route: _struct_fields(name) for route, name in ROUTE_STRUCTS.items()}
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
@@ -471,9 +507,14 @@ class _ContractMiddleware:
         self.log.append(self._entry(scope, body))
         faults = self.faults.get(path)
         if faults:
-            status = faults.pop(0)
-            await _respond(send, status, b"injected by the contract server", "text/plain")
-            return
+            fault = faults.pop(0)
+            if fault["after"] > 0:  # let this one through, fail a later one
+                faults.insert(0, {**fault, "after": fault["after"] - 1})
+            else:
+                await asyncio.sleep(fault["delay"])
+                if fault["status"]:
+                    await _respond(send, fault["status"], b"injected by the contract server", "text/plain")
+                    return
         sent = False
 
         async def replay() -> Any:
@@ -518,7 +559,8 @@ class _ContractMiddleware:
             payload = {"ok": True}
         elif path == "/_contract/fail":
             spec = json.loads(body)
-            self.faults.setdefault(spec["path"], []).extend([int(spec["status"])] * int(spec.get("times", 1)))
+            fault = {"status": int(spec.get("status", 0)), "after": int(spec.get("after", 0)), "delay": float(spec.get("delay", 0))}
+            self.faults.setdefault(spec["path"], []).extend([fault] * int(spec.get("times", 1)))
             payload = {"ok": True}
         elif path == "/_contract/hold":
             self.manager.holds[str(json.loads(body)["lora_name"])] = asyncio.Event()
@@ -530,6 +572,8 @@ class _ContractMiddleware:
             payload = {"ok": True}
         elif path == "/_contract/inflight":
             payload = self._inflight()
+        elif path == "/_contract/stash" and self.manager.scheduler.streamed is not None:
+            payload = self.manager.scheduler.streamed.view()
         else:
             await _respond(send, 404, b'{"detail":"Not Found"}', "application/json")
             return
@@ -566,14 +610,19 @@ def build_app(argv: list[str]) -> Any:
     Returns:
         The ASGI app to serve (SGLang's ``app`` wrapped in the contract middleware).
     """
+    if os.path.dirname(os.path.abspath(__file__)) not in sys.path:  # sglang_main beside this file
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from sglang.srt.entrypoints import http_server
     from sglang.srt.parser.template_manager import TemplateManager
     from sglang.srt.runtime_context import get_serving, publish
     from sglang.srt.server_args import prepare_server_args
 
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--lora-protocol", choices=("tensors", "streamed"), default="tensors")
+    ours, argv = parser.parse_known_args(argv)
     server_args = prepare_server_args([*argv, "--device", "cpu", "--skip-server-warmup"])
     publish(server_args, role="tokenizer")
-    scheduler = _Scheduler(server_args)
+    scheduler = _Scheduler(server_args, streamed=ours.lora_protocol == "streamed")
     manager = _fake_tokenizer_manager(server_args, scheduler)
     template_manager = TemplateManager()
     http_server.set_global_state(
@@ -584,6 +633,10 @@ def build_app(argv: list[str]) -> Any:
         )
     )
     app = http_server.app
+    if scheduler.streamed is not None:
+        from sglang_main import install_routes
+
+        install_routes(app, manager)
     # No warmup to run and no scheduler to freeze: the warmup thread would only post
     # /freeze_gc before uvicorn listens.
     http_server._freeze_gc_after_server_warmup = lambda server_args: None

@@ -67,10 +67,36 @@ def record(**values: Any) -> None:
             FIGURES[key] = value
 
 
-def table(figures: dict[str, Any] | None = None) -> str:
+# Issue 28's regression tests, by class of finding (see _findings.py): how they ended in this run.
+FINDING_RUNS: dict[str, dict[str, int]] = {}
+
+
+def record_finding_test(klass: str, outcome: str) -> None:
+    """Count one regression test of ``klass`` that ended ``outcome`` (passed, failed, skipped)."""
+    runs = FINDING_RUNS.setdefault(klass, {"passed": 0, "failed": 0, "skipped": 0})
+    runs[outcome] = runs.get(outcome, 0) + 1
+
+
+def finding_rows(runs: dict[str, dict[str, int]] | None = None) -> list[str]:
+    """One row per class of issue 28's findings: findings, and how their tests ended."""
+    from ._findings import by_class
+
+    runs = FINDING_RUNS if runs is None else runs
+    lines = []
+    for klass, findings in by_class().items():
+        if klass not in runs:
+            continue
+        r = runs[klass]
+        value = f"{len(findings)} findings; tests {r['passed']} ok, {r['failed']} failed, {r['skipped']} skipped"
+        lines.append(f"{'issue 28: ' + klass:<50} {value:>10}")
+    return lines
+
+
+def table(figures: dict[str, Any] | None = None, runs: dict[str, dict[str, int]] | None = None) -> str:
     figures = FIGURES if figures is None else figures
     lines = ["lorasync reliability figures", "-" * 62]
     for key, label in ROWS:
         if key in figures:
             lines.append(f"{label:<50} {figures[key]!s:>10}")
+    lines.extend(finding_rows(runs))
     return "\n".join(lines)

@@ -53,7 +53,9 @@ def run_vllm_inflight(model_dir: Path, python: Path, work: Path) -> dict[str, An
     """Start a one-slot vLLM, publish v1, v2, v3 with requests in flight; count what was lost.
 
     Returns:
-        ``{"requests", "lost", "deaths", "violations", "timeline"}``.
+        ``{"requests", "lost", "deaths", "violations", "timeline", "overlapped"}``; ``overlapped``
+        is False when the v1 requests were done before v2's retirement or v3's publish (the
+        scenario then tested nothing: run it again).
     """
     from transformers import AutoModelForCausalLM
 
@@ -64,6 +66,7 @@ def run_vllm_inflight(model_dir: Path, python: Path, work: Path) -> dict[str, An
     from lorasync.testing.vllm_server import VLLMServer
 
     torch.set_num_threads(1)
+    work.mkdir(parents=True, exist_ok=True)
     models = {v: make_peft_model(AutoModelForCausalLM.from_pretrained(model_dir), seed=300 + v) for v in (1, 2, 3)}
     violations: list[str] = []
     timeline: list[tuple[float, str]] = []
@@ -100,8 +103,11 @@ def run_vllm_inflight(model_dir: Path, python: Path, work: Path) -> dict[str, An
             violations.append("the engine never reported the v1 requests in flight")
         mark("v1 requests decoding")
         report2 = pub.publish(export(models[2]), version=2).settled()  # its retirement decided
+        # Still decoding now, so they were while v2's retirement was decided: v1 must stay. (vLLM
+        # sometimes answers the v2 load only once every v1 request finished: then nothing overlapped.)
+        overlapped = any(t.is_alive() for t in threads[:V1_REQUESTS])
         mark(f"v2 published: retired={report2.results[0].retired} deferred={report2.results[0].deferred}")
-        if not report2.ok or report2.results[0].deferred != ["policy@v1"]:
+        if not report2.ok or (overlapped and report2.results[0].deferred != ["policy@v1"]):
             violations.append(f"v2 publish: expected v1 deferred, got {report2}")
         v1_dir = pub.store.path_for("policy", 1)
         late = threading.Thread(target=request, args=("v2-0", "policy@v2"))
@@ -110,13 +116,16 @@ def run_vllm_inflight(model_dir: Path, python: Path, work: Path) -> dict[str, An
         # (With one slot the v2 request waits until the v1 requests are done.)
         v1_running = any(t.is_alive() for t in threads[:V1_REQUESTS])
         report3 = pub.publish(export(models[3]), version=3).settled()
-        mark(f"v3 published (v1 requests running: {v1_running}): retired={report3.results[0].retired} deferred={report3.results[0].deferred}")
-        if not report3.ok or (v1_running and "policy@v1" in report3.results[0].retired):
+        # Still decoding once v3's retirement was decided, so they were when it was: v1 must stay.
+        # (Requests that finish during the publish, which a slow load can take seconds for, leave
+        # v1 free to go by the time its retirement is decided: a CI run saw exactly that.)
+        v1_after = any(t.is_alive() for t in threads[:V1_REQUESTS])
+        mark(f"v3 published (v1 requests running: {v1_running} before, {v1_after} after): retired={report3.results[0].retired} deferred={report3.results[0].deferred}")
+        if not report3.ok or (v1_after and "policy@v1" in report3.results[0].retired):
             violations.append(f"v3 publish retired v1 under its requests: {report3}")
-        if not (v1_dir / "adapter_model.safetensors").is_file():
+        if v1_after and not (v1_dir / "adapter_model.safetensors").is_file():
             violations.append("v1's files were removed while its requests decoded")
-        if not v1_running:
-            violations.append("the requests finished before v3 was published: the scenario did not overlap (raise LONG)")
+        overlapped = overlapped and v1_running  # else the caller runs the scenario again
         for thread in threads:
             thread.join(timeout=600)
         undisturbed[2] = _complete(server.url, "policy@v2", LONG) if "policy@v2" in engine.list_adapters() else None
@@ -150,4 +159,4 @@ def run_vllm_inflight(model_dir: Path, python: Path, work: Path) -> dict[str, An
         if not server.alive():
             deaths = max(deaths, 1)
         server.stop()
-    return {"requests": requests, "lost": lost, "deaths": deaths, "violations": violations, "timeline": timeline}
+    return {"requests": requests, "lost": lost, "deaths": deaths, "violations": violations, "timeline": timeline, "overlapped": overlapped}

@@ -92,6 +92,7 @@ async def _cancel_everywhere(root: Path) -> tuple[int, list[str]]:
             report = await asyncio.wait_for(pub.apublish(_adapter(3), version=3), timeout=10)
             if not report.ok:
                 violations.append(f"cancel at await point {point}: the next publish failed: {report}")
+            await report.asettled()  # its retirement writes through `.tmp-` names after it returns
         except asyncio.TimeoutError:
             violations.append(f"cancel at await point {point}: the next publish hung (a lock or gate stayed held)")
         leftovers = _tmp_dirs(root / f"cut{point}")
@@ -141,8 +142,12 @@ def _disk_full(root: Path) -> tuple[int, list[str], str | None]:
             report = pub.publish(_adapter(version), version=version)
             if not report.ok:
                 violations.append(f"after a too-big publish, v{version} (which fits) failed: {report}")
-        if _tmp_dirs(mount):
-            violations.append(f"temp directories left on the full disk: {_tmp_dirs(mount)}")
+            # The retirement runs after the publish returns and writes its holders file through a
+            # `.tmp-` name (atomic rename): only what is left once it finished is a leak.
+            report.settled(timeout=30)
+        left = _tmp_dirs(mount)
+        if left:
+            violations.append(f"temp directories left on the full disk: {left}")
         pub.close()
     finally:
         # lazily: this process keeps its run's owner lock open until it exits

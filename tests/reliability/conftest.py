@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from ._figures import FIGURES, table
+from ._figures import FIGURES, FINDING_RUNS, table
 
 SOAK = os.environ.get("LORASYNC_SOAK") == "1"
 
@@ -22,7 +22,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    if FIGURES:
+    if FIGURES or FINDING_RUNS:
         terminalreporter.write_line("")
         for line in table().splitlines():
             terminalreporter.write_line(line)

@@ -132,7 +132,13 @@ def _vllm_inflight() -> dict[str, object]:
     with tempfile.TemporaryDirectory(prefix="lorasync-inflight-") as tmp:
         model = Path(tmp) / "tiny"
         make_tiny_model(model)
-        return run_vllm_inflight(model, python, Path(tmp))
+        for attempt in range(3):  # as the test: a run where nothing overlapped tested nothing
+            outcome = run_vllm_inflight(model, python, Path(tmp) / f"run{attempt}")
+            if outcome["violations"] or outcome["overlapped"]:
+                break
+        if not outcome["overlapped"]:
+            outcome["violations"] = [*outcome["violations"], "in 3 runs no publish met a decoding v1 request"]
+        return outcome
 
 
 if __name__ == "__main__":

@@ -77,12 +77,13 @@ def test_api_keys_never_reach_logs_reprs_errors_or_reports(caplog, tmp_path):
             wrong = SECRET[::-1]
             bad = client(protocol, server.url, api_key=wrong)
             in_url = client(protocol, server.url.replace("http://", f"http://trainer:{SECRET}@"))
-            failed = Publisher([bad, in_url], name="k", root=tmp_path / protocol, transport="disk").publish(tiny_adapter(2), version=2)
-            errors = [r.error for r in failed.results]
-            assert all(isinstance(e, AuthenticationError) for e in errors), failed
-            for obj in (good, bad, in_url, report, failed, *errors):
+            # One publisher per client: two clients of one server in one publisher are refused.
+            fails = [Publisher([c], name="k", root=tmp_path / protocol, transport="disk").publish(tiny_adapter(2), version=2) for c in (bad, in_url)]
+            errors = [r.error for failed in fails for r in failed.results]
+            assert len(errors) == 2 and all(isinstance(e, AuthenticationError) for e in errors), fails
+            for obj in (good, bad, in_url, report, *fails, *errors):
                 texts += [repr(obj), str(obj)]
-            texts += [json.dumps(report.to_dict(), default=str), json.dumps(failed.to_dict(), default=str)]
+            texts += [json.dumps(report.to_dict(), default=str)] + [json.dumps(f.to_dict(), default=str) for f in fails]
             texts += [repr(e.context) for e in errors] + [str(pickle.loads(pickle.dumps(e))) for e in errors]
             for engine in (good, bad, in_url):
                 engine.close()

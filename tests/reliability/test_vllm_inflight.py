@@ -16,7 +16,13 @@ pytestmark = pytest.mark.vllm
 
 
 def test_versions_change_under_decoding_requests_on_one_slot(vllm_python: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
-    outcome = run_vllm_inflight(tiny_model_dir, vllm_python, tmp_path)
+    # vLLM sometimes holds the v2 load until every v1 request finished; such a run overlaps
+    # nothing and is run again (every run's own violations still fail the test at once).
+    for attempt in range(3):
+        outcome = run_vllm_inflight(tiny_model_dir, vllm_python, tmp_path / f"run{attempt}")
+        if outcome["violations"] or outcome["overlapped"]:
+            break
     record(inflight_requests=outcome["requests"], inflight_lost=outcome["lost"], engine_deaths=outcome["deaths"])
     assert outcome["violations"] == [], "\n".join(outcome["violations"]) + f"\ntimeline: {outcome['timeline']}"
+    assert outcome["overlapped"], f"in 3 runs no publish met a decoding v1 request: nothing was tested (raise LONG)\ntimeline: {outcome['timeline']}"
     assert outcome["requests"] >= 3 and outcome["lost"] == 0 and outcome["deaths"] == 0

@@ -36,15 +36,19 @@ def spawn_ranks(
     Returns:
         `float`: the wall time in seconds.
     """
+    import importlib
+
     import torch.multiprocessing as mp
 
+    # The module, not the attribute: torch.multiprocessing.spawn is also the spawn() function.
+    process_exception = importlib.import_module("torch.multiprocessing.spawn").ProcessException
     start = time.monotonic()
     ctx = mp.start_processes(fn, args=(nprocs, free_port(), *args), nprocs=nprocs, join=False, start_method="spawn")
     try:
         while not ctx.join(timeout=max(0.1, min(1.0, deadline_s - (time.monotonic() - start)))):
             if time.monotonic() - start > deadline_s:
                 pytest.fail(f"the {nprocs} ranks of {fn.__name__} did not finish in {deadline_s} s (hung collective?)")
-    except mp.ProcessException as exc:  # a rank raised or died
+    except process_exception as exc:  # a rank raised or died
         errors = "\n".join(p.read_text() for p in sorted(Path(out).glob("error-*.txt"))) if out is not None else ""
         pytest.fail(f"a rank of {fn.__name__} failed:\n{errors or exc}")
     finally:

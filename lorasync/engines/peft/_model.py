@@ -1,5 +1,5 @@
 """The base model side of the PEFT engine: loading a checkpoint, finding a base parameter through
-PEFT's wrappers, the ``LoraConfig`` an adapter is injected with, and reading an adapter directory."""
+PEFT's wrappers and reading an adapter directory (:mod:`._inject` builds what PEFT injects)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from lorasync._adapter import ADAPTER_CONFIG, Adapter
+from lorasync._moe import fused_rows
 from lorasync.errors import (
     AdapterNotFoundError,
     AdapterRejectedError,
@@ -65,22 +66,33 @@ def read_adapter_dir(name: str, directory: Path, *, kind: str = KIND) -> Adapter
         ) from exc
 
 
-def peft_config(adapter: Adapter) -> Any:
-    """The ``LoraConfig`` the engine injects ``adapter`` with: its validated rank, alpha and
-    patterns, targeting exactly the module paths it holds weights for (a leaf name such as
-    ``v_proj`` would also wrap modules the adapter has no factors for), default init (the
-    factors are copied in right after; the base weights are never touched)."""
-    config = adapter.config.to_peft()
-    config.target_modules = set(adapter.modules)
-    return config
-
-
-def base_parameter(model: Any, name: str, *, kind: str = KIND) -> torch.nn.Parameter:
-    """The parameter ``name`` of the base ``model``, looking through PEFT's wrappers.
+def base_parameter(model: Any, name: str, *, kind: str = KIND) -> torch.Tensor:
+    """The parameter ``name`` of the base ``model``, looking through PEFT's wrappers; a checkpoint's
+    per-expert name (``...mlp.experts.3.gate_proj.weight``) is the view of its rows in the fused
+    expert parameter transformers 5 holds (``mlp.experts.gate_up_proj[3, :I]``).
 
     Raises:
         IncompatibleAdapterError: the base model has no parameter ``name``.
     """
+    where = fused_rows(name.removesuffix(".weight")) if name.endswith(".weight") else None
+    if where is not None and _parameter(model, name) is None:
+        path, expert, index, leaves = where
+        fused = base_parameter(model, path, kind=kind)
+        rows = fused.shape[1] // leaves
+        if fused.dim() == 3 and expert < fused.shape[0]:
+            return fused[expert, index * rows : (index + 1) * rows]
+    param = _parameter(model, name)
+    if param is None:
+        raise IncompatibleAdapterError(
+            f"the base model has no parameter {name!r}; use the model's own parameter names "
+            "(e.g. 'model.layers.0.self_attn.q_proj.weight')",
+            engine=kind,
+            key=name,
+        )
+    return param
+
+
+def _parameter(model: Any, name: str) -> torch.nn.Parameter | None:
     module_path, _, attr = name.rpartition(".")
     try:
         module = model.get_submodule(module_path) if module_path else model
@@ -90,14 +102,7 @@ def base_parameter(model: Any, name: str, *, kind: str = KIND) -> torch.nn.Param
     if callable(base_layer):  # a PEFT LoRA layer: the real weight sits in base_layer
         module = base_layer()
     param = getattr(module, attr, None) if module is not None else None
-    if not isinstance(param, torch.nn.Parameter):
-        raise IncompatibleAdapterError(
-            f"the base model has no parameter {name!r}; use the model's own parameter names "
-            "(e.g. 'model.layers.0.self_attn.q_proj.weight')",
-            engine=kind,
-            key=name,
-        )
-    return param
+    return param if isinstance(param, torch.nn.Parameter) else None
 
 
 def device_of(model: Any) -> torch.device:
@@ -117,4 +122,7 @@ def quiet_foreign_warnings() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         warnings.simplefilter("ignore", DeprecationWarning)
+        # PEFT 0.21 checks pattern keys against modules only, so a pattern naming a target
+        # parameter (fused experts, a router weight) is reported unmatched although it applies.
+        warnings.filterwarnings("ignore", message=r"The following (rank|alpha)_pattern keys did not match")
         yield

@@ -17,7 +17,8 @@ from typing import Any
 
 from lorasync._adapter import Adapter
 from lorasync.engines.peft._errors import check_load_result, translated
-from lorasync.engines.peft._model import KIND, peft_config, quiet_foreign_warnings
+from lorasync.engines.peft._inject import plan
+from lorasync.engines.peft._model import KIND, quiet_foreign_warnings
 from lorasync.errors import AdapterNotFoundError
 
 logger = logging.getLogger("lorasync")
@@ -59,17 +60,18 @@ class AdapterSlots:
         ``name``; on any failure everything is as before."""
         from peft import get_peft_model, set_peft_model_state_dict
 
-        config = peft_config(adapter)
         slot = f"slot{next(self._ids)}"
         created = self.peft is None
         with translated("load", name, kind=self._kind):
+            injection = plan(adapter, self.base, kind=self._kind, name=name)
             try:
                 with quiet_foreign_warnings():
                     if created:
-                        self.peft = get_peft_model(self.base, config, adapter_name=slot)
+                        self.peft = get_peft_model(self.base, injection.config, adapter_name=slot)
                     else:
-                        self.peft.add_adapter(slot, config)
-                    result = set_peft_model_state_dict(self.peft, dict(adapter.tensors), adapter_name=slot)
+                        self.peft.add_adapter(slot, injection.config)
+                    state = injection.state_dict(adapter, self.peft, slot)
+                    result = set_peft_model_state_dict(self.peft, state, adapter_name=slot)
                 check_load_result(result, slot, name)
                 self.peft.eval()
             except BaseException:

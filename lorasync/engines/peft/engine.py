@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -100,6 +101,9 @@ class PeftEngine(Engine):
         # a plain Lock): inference waits instead of seeing half of a merged update.
         self._update_gate = threading.Lock()
         self._in_flight = InFlight()  # generations running or waiting, per adapter
+        # Served name -> where that load came from (a path, or a token per tensor load): what
+        # ``adapter_sources`` reports, so a publisher sees when someone else reloaded a name.
+        self._sources: dict[str, str] = {}
 
     # -- the Engine protocol ------------------------------------------------------------------
 
@@ -141,6 +145,7 @@ class PeftEngine(Engine):
         with self._lock:
             self._check_new_name(name)
             self._load_validated(name, read_adapter_dir(name, Path(path), kind=self.kind))
+            self._sources[name] = os.path.abspath(os.fspath(path))
 
     def load_adapter_tensors(self, name: str, adapter: Adapter) -> None:
         """Load ``adapter`` under ``name`` from its tensors, without files.
@@ -154,6 +159,7 @@ class PeftEngine(Engine):
         with self._lock:
             self._check_new_name(name)
             self._load_validated(name, adapter)
+            self._sources[name] = _tensor_source()
 
     def _load_validated(self, name: str, adapter: Adapter) -> None:
         self._preflight(name, adapter)
@@ -166,7 +172,10 @@ class PeftEngine(Engine):
             AdapterNotFoundError, AdapterRejectedError: as :meth:`load_adapter`; ``name`` keeps
             serving its previous weights.
         """
-        self.replace_adapter_tensors(name, read_adapter_dir(name, Path(path), kind=self.kind))
+        adapter = read_adapter_dir(name, Path(path), kind=self.kind)
+        with self._lock:
+            self.replace_adapter_tensors(name, adapter)
+            self._sources[name] = os.path.abspath(os.fspath(path))
 
     def replace_adapter_tensors(self, name: str, adapter: Adapter) -> None:
         """Atomically make ``name`` serve ``adapter``: the new weights are loaded into a fresh
@@ -182,6 +191,7 @@ class PeftEngine(Engine):
                 return
             self.capabilities().check(adapter)
             self._adapters.swap(name, adapter)
+            self._sources[name] = _tensor_source()
 
     def unload_adapter(self, name: str) -> None:
         """Stop serving ``name`` and free its weights.
@@ -191,11 +201,18 @@ class PeftEngine(Engine):
         """
         with self._lock:
             self._adapters.remove(name)
+            self._sources.pop(name, None)
 
     def list_adapters(self) -> list[str]:
         """Names of the loaded adapters, in load order."""
         with self._lock:
             return list(self._slots)
+
+    def adapter_sources(self) -> dict[str, str]:
+        """Where each loaded adapter came from: the directory it was read from, or a token
+        unique to that tensor load (every load and swap gets a new one)."""
+        with self._lock:
+            return dict(self._sources)
 
     def adapters_in_use(self) -> frozenset[str]:
         """Adapters a generation runs on or waits for (exact: every request passes through here)."""
@@ -206,6 +223,8 @@ class PeftEngine(Engine):
 
         Names are the base model's own (``model.layers.0.self_attn.q_proj.weight``); while PEFT
         wraps a module, its weight lives at ``...q_proj.base_layer.weight`` and is found there.
+        A checkpoint's per-expert name (``...mlp.experts.3.gate_proj.weight``) writes its rows of
+        the fused expert parameter (``...mlp.experts.gate_up_proj``).
         Every name and shape is checked before anything is written, so a bad request changes
         nothing. Loaded adapters keep applying on top of the new weights.
 
@@ -332,7 +351,7 @@ class PeftEngine(Engine):
                 adapter=name,
             )
 
-    def _base_parameter(self, name: str) -> torch.nn.Parameter:
+    def _base_parameter(self, name: str) -> torch.Tensor:
         return base_parameter(self._adapters.base, name, kind=self.kind)
 
     def _input_ids(self, prompt_ids: Sequence[int]) -> torch.Tensor:
@@ -344,3 +363,8 @@ class PeftEngine(Engine):
     def _translate(self, op: str, adapter: str | None) -> contextlib.AbstractContextManager[None]:
         """Turn torch/PEFT/OS errors raised during ``op`` into lorasync errors."""
         return translated(op, adapter, kind=self.kind)
+
+
+def _tensor_source() -> str:
+    """A token no other load shares (what ``adapter_sources`` reports for a tensor load)."""
+    return f"tensors:{uuid.uuid4().hex}"

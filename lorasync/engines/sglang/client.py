@@ -10,6 +10,10 @@ driven sync or async; the package's other modules hold what the client knows abo
   ``k_proj`` and ``v_proj`` too), ``max_loaded_loras``, ``dp_size``, ``tokenizer_worker_num``.
 * A retried load answered "already loaded", or a 200 that is not SGLang's envelope, counts only
   once ``/v1/models`` lists the name with our path (an earlier attempt landed, its answer lost).
+* Loads from tensors speak the protocol the server's routes offer (:mod:`.tensors`): the legacy
+  ``/load_lora_adapter_from_tensors`` or SGLang main's streamed adapters (``/register_lora_adapter``
+  and a weight-update stream); ``capabilities().notes`` names it. A streamed load cut off by a
+  cancellation still unregisters its name and closes its session.
 * 0.5.23 accepts ``/update_weights_from_tensor`` only inside ``/begin_weight_update`` ...
   ``/end_weight_update``; the session is always closed, also when an update fails.
 * Unload: SGLang 0.5.23 marks the adapter unloading (new requests naming it are refused) and
@@ -20,6 +24,7 @@ driven sync or async; the package's other modules hold what the client knows abo
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, ClassVar
 
@@ -27,7 +32,7 @@ from lorasync._retry import RetryPolicy
 from lorasync.engines._engine import Capabilities
 from lorasync.engines._hosts import is_same_host
 from lorasync.engines.sglang import rules
-from lorasync.engines.sglang.operations import SGLangOperations
+from lorasync.engines.sglang.tensors import TensorLoads
 from lorasync.engines.sglang.protocol import DEFAULT_VERSION, GenerateResult, parse_version
 from lorasync.errors import ConfigError
 
@@ -42,7 +47,7 @@ if TYPE_CHECKING:
 __all__ = ["SGLangEngine"]
 
 
-class SGLangEngine(SGLangOperations):
+class SGLangEngine(TensorLoads):
     """Client of one SGLang server (``python -m sglang.launch_server``).
 
     The server must run with ``--enable-lora --max-lora-rank R --lora-target-modules ...``,
@@ -60,6 +65,9 @@ class SGLangEngine(SGLangOperations):
         checksums (`bool`, *optional*, defaults to `True`): send per-tensor SHA-256 with tensor
             loads (0.5.17+), so SGLang refuses bytes corrupted on the way.
         api_key (`str`, *optional*): ``--api-key``/``--admin-api-key``; defaults to env ``SGLANG_API_KEY``.
+            Never logged, shown in ``repr`` or pickled (see :class:`HTTPEngine`).
+        api_key_env (`str`, *optional*): the environment variable holding the key (required then),
+            read again wherever the client is unpickled.
         same_host (`bool`, *optional*): whether the server reads this host's files; defaults to
             True for loopback URLs.
         timeout, retries, transport, async_transport: see :class:`HTTPEngine`.
@@ -85,6 +93,7 @@ class SGLangEngine(SGLangOperations):
         weight_bucket_bytes: int = 256 << 20,
         checksums: bool = True,
         api_key: str | None = None,
+        api_key_env: str | None = None,
         same_host: bool | None = None,
         timeout: float = 60.0,
         retries: RetryPolicy | int | None = None,
@@ -92,7 +101,13 @@ class SGLangEngine(SGLangOperations):
         async_transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         super().__init__(
-            url, api_key=api_key, timeout=timeout, retries=retries, transport=transport, async_transport=async_transport
+            url,
+            api_key=api_key,
+            api_key_env=api_key_env,
+            timeout=timeout,
+            retries=retries,
+            transport=transport,
+            async_transport=async_transport,
         )
         self._version: tuple[int, ...] | None = None if version == "auto" else parse_version(version)
         if tp_size is not None and tp_size < 1:
@@ -105,6 +120,9 @@ class SGLangEngine(SGLangOperations):
         self.checksums = checksums
         self.same_host = is_same_host(self.url, same_host)
         self._known: dict[str, str] = {}  # loaded_adapters of the last LoRA answer (pre-0.5.10 listing)
+        self._protocol: str | None = None  # how the server takes tensors, read from its routes once
+        self._protocol_known = False
+        self._streaming: dict[str, bool] = {}  # streamed loads in progress (see .tensors)
 
     # -- public sync API -------------------------------------------------------------------
 
@@ -129,14 +147,15 @@ class SGLangEngine(SGLangOperations):
     def check_adapter(self, adapter: Adapter, caps: Capabilities) -> None:
         """SGLang's refusals for every LoRA route (the publisher calls it before any bytes move):
         the generic checks of ``caps``, then :mod:`lorasync.engines.sglang.rules` (scaling,
-        q/k/v and gate/up packing). Mixed ranks pass: tensor loads pad them, and a disk load
+        q/k/v and gate/up packing, no MoE router LoRA, expert LoRA only on a server targeting
+        gate_up_proj and down_proj). Mixed ranks pass: tensor loads pad them, and a disk load
         refuses them from the directory's ``adapter_config.json`` before sending.
 
         Raises:
             LoraNotEnabledError, RankTooLargeError, IncompatibleAdapterError.
         """
         super().check_adapter(adapter, caps)
-        rules.check(adapter, url=self.url, pads=True)
+        rules.check(adapter, url=self.url, pads=True, served=caps.target_modules)
 
     def load_adapter(self, name: str, path: str | os.PathLike[str], *, pinned: bool = False) -> None:
         """Load the PEFT adapter directory ``path`` (as the server sees it) under ``name``.
@@ -148,16 +167,25 @@ class SGLangEngine(SGLangOperations):
         self._run(self._load_op(name, str(path), pinned), adapter=name)
 
     def load_adapter_tensors(self, name: str, adapter: Adapter, *, pinned: bool = False) -> None:
-        """Load ``adapter`` under ``name`` with no files (``/load_lora_adapter_from_tensors``).
+        """Load ``adapter`` under ``name`` with no files, through the protocol the server offers:
+        ``/load_lora_adapter_from_tensors`` (0.5.10-0.5.23) or, on SGLang main, registration
+        and a weight-update stream (one session, always closed; a failed stream unregisters the
+        name, so it never serves zero or partial weights).
 
         Runs :meth:`preflight` first; ranks are padded to one ``r`` (exact, see
         :func:`lorasync.transforms.pad_ranks`).
 
         Raises:
-            CapabilityError (server older than 0.5.10), the errors of :meth:`preflight` and of
-            :meth:`load_adapter`.
+            CapabilityError (no tensor route: a server older than 0.5.10), ConfigError (a
+            streamed name containing ':'), AdapterRejectedError (the stream was refused), the
+            errors of :meth:`preflight` and of :meth:`load_adapter`.
         """
-        self._run(self._load_tensors_op(name, adapter, pinned), adapter=name)
+        try:
+            self._run(self._load_tensors_op(name, adapter, pinned), adapter=name)
+        except BaseException:
+            if name in self._streaming:  # interrupted (KeyboardInterrupt) mid-stream
+                self._run(self._stream_abort_op(name, None), adapter=name)
+            raise
 
     def unload_adapter(self, name: str) -> None:
         """Stop serving ``name``; SGLang refuses new requests on it at once and answers only
@@ -248,13 +276,28 @@ class SGLangEngine(SGLangOperations):
         await self._arun(self._load_op(name, str(path), pinned), adapter=name)
 
     async def aload_adapter_tensors(self, name: str, adapter: Adapter, *, pinned: bool = False) -> None:
-        await self._arun(self._load_tensors_op(name, adapter, pinned), adapter=name)
+        try:
+            await self._arun(self._load_tensors_op(name, adapter, pinned), adapter=name)
+        except asyncio.CancelledError:
+            if name in self._streaming:
+                # Cancelled mid-stream: the operation never sees it, so unregister the name and close
+                # the session here, shielded from a second cancellation.
+                await asyncio.shield(self._arun(self._stream_abort_op(name, None), adapter=name))
+            raise
 
     async def aunload_adapter(self, name: str) -> None:
         await self._arun(self._unload_op(name), adapter=name)
 
     async def alist_adapters(self) -> list[str]:
         return await self._arun(self._list_op())
+
+    def adapter_sources(self) -> dict[str, str | None] | None:
+        """Each adapter's directory from ``/v1/models`` (None for tensor loads, which SGLang
+        lists all alike); None on versions whose ``/v1/models`` lists no adapters."""
+        return self._run(self._sources_op())
+
+    async def aadapter_sources(self) -> dict[str, str | None] | None:
+        return await self._arun(self._sources_op())
 
     async def aupdate_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> None:
         await self._arun(self._update_weights_op(named_tensors))

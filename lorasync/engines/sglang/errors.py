@@ -25,8 +25,19 @@ from lorasync.errors import (
     RankTooLargeError,
 )
 
-__all__ = ["NeedsRankCheck", "generate_error", "lora_error", "rank_or_modules", "unexpected", "weight_error"]
+__all__ = [
+    "NeedsRankCheck",
+    "generate_error",
+    "lora_error",
+    "rank_or_modules",
+    "stream_error",
+    "unexpected",
+    "weight_error",
+]
 
+# A load past --max-loaded-loras: 0.5.4's refusal, and SGLang main's for a new streamed name
+# (PR #36384: eviction would lose the only copy of a streamed adapter, so it refuses instead).
+_CAP_TEXTS = ("Maximum number of loaded LoRA adapters", "max_loaded_loras", "max-loaded-loras")
 _NOT_FOUND_TEXTS = ("No such file or directory", "Repo id must be", "Cannot find any model weights", "is not a local folder")
 
 
@@ -55,6 +66,13 @@ def lora_error(message: str, *, url: str, name: str, context: dict[str, Any]) ->
         return NeedsRankCheck(message)
     if "doesn't support DoRA" in message or "add tokens to the vocabulary" in message or "target module" in message:
         return IncompatibleAdapterError(f"{where} cannot serve adapter {name!r}: {message}", **context)
+    if any(text in message for text in _CAP_TEXTS):
+        return CapacityError(
+            f"{where} holds as many adapters as --max-loaded-loras allows and refuses a new one ({name!r}): "
+            f"{message}; unload a version first, keep fewer versions (keep=) or restart it with a larger "
+            "--max-loaded-loras (SGLang never evicts a streamed adapter to make room)",
+            **context,
+        )
     if "as a pinned adapter" in message:
         return CapacityError(f"{where} has no slot left to pin adapter {name!r}: {message}", **context)
     if "incomplete unload" in message:
@@ -101,6 +119,21 @@ def weight_error(message: str, *, url: str, path: str, context: dict[str, Any]) 
     elif "session is already open" in message:
         hint = " (another client is updating weights, or a previous update died; retry later)"
     return EngineError(f"sglang at {url}{path} refused the weight update: {message}{hint}", **context)
+
+
+def stream_error(message: str, *, url: str, path: str, name: str, context: dict[str, Any]) -> EngineError:
+    """A refusal while streaming adapter ``name``'s tensors (``/update_weights_from_tensor``) or
+    applying them (``/end_weight_update``): SGLang main's stash checks, else the weight-route text."""
+    where = f"sglang at {url}{path}"
+    if "[LORA-CHECK]" in message or "partial stream" in message or "different tensor set" in message:
+        return AdapterRejectedError(
+            f"{where} refused the tensors streamed for adapter {name!r}: {message}; it was unregistered, "
+            "publish again",
+            **context,
+        )
+    if "require --enable-lora" in message or "LoRA is not enabled" in message:
+        return LoraNotEnabledError(f"{where} was started without LoRA: {message}", **context)
+    return weight_error(message, url=url, path=path, context=context)
 
 
 def generate_error(message: str, *, url: str, lora_name: str | None, context: dict[str, Any]) -> EngineError:

@@ -10,6 +10,7 @@ server versions no peer runs.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -21,20 +22,21 @@ from lorasync.engines.sglang import errors, rules
 from lorasync.engines.sglang.protocol import (
     DEFAULT_VERSION,
     MODELS_LIST_ADAPTERS_SINCE,
-    PER_RANK_FIELD_SINCE,
+    REGISTER_ROUTE,
     SESSION_SINCE,
+    STREAMED,
+    TENSOR_ROUTE,
     TENSOR_ROUTE_SINCE,
+    TENSORS,
     GenerateResult,
     buckets,
-    config_dict,
     cpu_copy,
     generate_body,
     parse_version,
+    protocol_from_routes,
     serialize,
-    sha256,
 )
 from lorasync.errors import AdapterAlreadyLoadedError, CapabilityError, EngineError, EngineProtocolError
-from lorasync.transforms import pad_ranks
 
 if TYPE_CHECKING:
     import httpx
@@ -43,6 +45,8 @@ if TYPE_CHECKING:
     from lorasync._adapter import Adapter
 
 __all__ = ["SGLangOperations"]
+
+log = logging.getLogger("lorasync.engines.sglang")
 
 
 class SGLangOperations(HTTPEngine):
@@ -53,6 +57,8 @@ class SGLangOperations(HTTPEngine):
     _tp_size: int | None
     _session_open: bool
     _known: dict[str, str]
+    _protocol: str | None  # the tensor protocol (protocol.TENSORS / STREAMED), once _protocol_known
+    _protocol_known: bool
     weight_bucket_bytes: int
     checksums: bool
     same_host: bool
@@ -77,7 +83,45 @@ class SGLangOperations(HTTPEngine):
 
     def _capabilities_op(self) -> Operation[Capabilities]:
         info = yield from self._server_info_op()
+        yield from self._protocol_op()
         return self._capabilities_from(info)
+
+    def _protocol_op(self) -> Operation[str | None]:
+        """Which way the server takes tensors (None: no way), decided by the routes it offers.
+
+        Servers older than 0.5.23 follow the version table (0.5.10 brought the tensor route).
+        From 0.5.23 on the version says too little (SGLang main builds report a 0.5.x version
+        and may lack the tensor route), so the routes decide: ``/openapi.json``'s paths, or,
+        where the docs are off (``DISABLE_OPENAPI_DOC``), a GET on each POST route, which
+        answers 405 where the route exists and 404 where it does not. Read once per client.
+        """
+        if self._protocol_known:
+            return self._protocol
+        version = self._version_or_default()
+        protocol: str | None = TENSORS if version >= TENSOR_ROUTE_SINCE else None
+        if version >= SESSION_SINCE:
+            response = yield Call("GET", "/openapi.json")
+            data = body_json(response)
+            if response.status_code == 200 and isinstance(data, dict) and isinstance(data.get("paths"), dict):
+                protocol = protocol_from_routes(data["paths"])
+            else:
+                probes: list[int] = []
+                for route, kind in ((REGISTER_ROUTE, STREAMED), (TENSOR_ROUTE, TENSORS)):
+                    probe = yield Call("GET", route)
+                    probes.append(probe.status_code)
+                    if probe.status_code == 405:
+                        protocol = kind
+                        break
+                else:
+                    # Both 404: neither route. Anything else (a proxy in the way?): the version table's.
+                    protocol = TENSORS if any(status != 404 for status in probes) else None
+        self._protocol, self._protocol_known = protocol, True
+        log.info("sglang at %s takes adapters from tensors through %s", self.url, _PROTOCOL_WORDS[protocol])
+        return protocol
+
+    def _forget_protocol(self) -> None:
+        """The server answered a tensor route with 404: it changed (restarted as another build)."""
+        self._protocol, self._protocol_known = None, False
 
     def _capabilities_from(self, info: Mapping[str, Any]) -> Capabilities:
         version = self._version_or_default()
@@ -93,6 +137,9 @@ class SGLangOperations(HTTPEngine):
             notes.append(f"dp_size={dp}: SGLang refuses dynamic LoRA unless dp_size == 1")
         if workers != 1:
             notes.append(f"tokenizer_worker_num={workers}: a load is visible to one worker only")
+        protocol = self._protocol if self._protocol_known else (TENSORS if version >= TENSOR_ROUTE_SINCE else None)
+        if lora:
+            notes.append(f"tensor loads: {_PROTOCOL_WORDS[protocol]}")
         return Capabilities(
             engine=self.kind,
             url=self.url,
@@ -101,7 +148,7 @@ class SGLangOperations(HTTPEngine):
             max_rank=info.get("max_lora_rank"),
             max_loras=info.get("max_loaded_loras"),
             target_modules=rules.served_leaves(info.get("lora_target_modules")),
-            tensor_load=lora and version >= TENSOR_ROUTE_SINCE,
+            tensor_load=lora and protocol is not None,
             weight_update=True,
             load_inplace=False,
             unload_drains=True,  # SGLang 0.5.23 answers an unload only once its requests finished
@@ -122,6 +169,7 @@ class SGLangOperations(HTTPEngine):
                 url=self.url,
             )
         rules.check(adapter, url=self.url, pads=pads)
+        yield from self._protocol_op()  # after the refusals, which need no more requests
         return info
 
     def _load_op(self, name: str, path: str, pinned: bool) -> Operation[None]:
@@ -153,45 +201,18 @@ class SGLangOperations(HTTPEngine):
         if isinstance(config, dict):
             rules.check_saved_config(config, url=self.url, path=path)
 
-    def _serves(self, name: str, path: str) -> Operation[bool]:
-        """True when ``/v1/models`` lists ``name`` loaded from ``path`` (False before 0.5.10)."""
+    def _serves(self, name: str, path: str | None) -> Operation[bool]:
+        """True when ``/v1/models`` lists ``name`` loaded from ``path`` (any path when None;
+        False before 0.5.10)."""
         if self._version_or_default() < MODELS_LIST_ADAPTERS_SINCE:
             return False
         response = yield Call("GET", "/v1/models")
         data = body_json(response)
         cards = data.get("data") if isinstance(data, dict) and response.status_code == 200 else None
         return any(
-            isinstance(card, dict) and card.get("id") == name and card.get("parent") and card.get("root") in (None, path)
+            isinstance(card, dict) and card.get("id") == name and card.get("parent") and (path is None or card.get("root") in (None, path))
             for card in cards or []
         )
-
-    def _load_tensors_op(self, name: str, adapter: Adapter, pinned: bool) -> Operation[None]:
-        info = yield from self._preflight_op(adapter, pads=True)
-        caps = self._capabilities_from(info)
-        version = self._version_or_default()
-        if version < TENSOR_ROUTE_SINCE or not caps.tensor_load:
-            raise CapabilityError(
-                f"sglang {'.'.join(map(str, version))} at {self.url} has no /load_lora_adapter_from_tensors "
-                "(added in 0.5.10); publish through the disk transport instead",
-                engine=self.kind,
-                url=self.url,
-                adapter=name,
-            )
-        adapter = pad_ranks(adapter)
-        tensors = {k: cpu_copy(t) for k, t in adapter.tensors.items()}
-        payload = serialize(tensors)
-        body: dict[str, Any] = {"lora_name": name, "config_dict": config_dict(adapter)}
-        if version >= PER_RANK_FIELD_SINCE:
-            # Rank i reads element i; the payload is self-contained, so every rank gets a copy.
-            body["serialized_named_tensors"] = [payload] * (self._tp_size or int(info.get("tp_size") or 1))
-            if self.checksums:
-                body["expected_checksums"] = {k: sha256(t) for k, t in tensors.items()}
-        else:
-            body["serialized_tensors"] = payload
-        if pinned:
-            body["pinned"] = True
-        response = yield Call("POST", "/load_lora_adapter_from_tensors", json=body)
-        yield from self._lora_result(response, "/load_lora_adapter_from_tensors", name)
 
     def _unload_op(self, name: str) -> Operation[None]:
         response = yield Call("POST", "/unload_lora_adapter", json={"lora_name": name})
@@ -210,6 +231,17 @@ class SGLangOperations(HTTPEngine):
     def _list_op(self) -> Operation[list[str]]:
         if self._version is not None and self._version < MODELS_LIST_ADAPTERS_SINCE:
             return sorted(self._known)  # /v1/models lists no adapters before 0.5.10
+        return sorted((yield from self._cards_op()))
+
+    def _sources_op(self) -> Operation[dict[str, str | None] | None]:
+        """Each adapter's ``lora_path`` from ``/v1/models``; tensor loads all show ``__tensor__``,
+        which names no one load (None). None before 0.5.10 (no adapter cards)."""
+        if self._version is not None and self._version < MODELS_LIST_ADAPTERS_SINCE:
+            return None
+        cards = yield from self._cards_op()
+        return {name: root if isinstance(root, str) and os.path.isabs(root) else None for name, root in cards.items()}
+
+    def _cards_op(self) -> Operation[dict[str, object]]:
         response = yield Call("GET", "/v1/models")
         data = body_json(response)
         cards = data.get("data") if isinstance(data, dict) else None
@@ -219,7 +251,7 @@ class SGLangOperations(HTTPEngine):
                 f"{body_text(response)[:200]!r}",
                 **self.error_context("/v1/models", None, response),
             )
-        return sorted(str(card["id"]) for card in cards if isinstance(card, dict) and card.get("parent"))
+        return {str(card["id"]): card.get("root") for card in cards if isinstance(card, dict) and card.get("parent")}
 
     def _update_weights_op(self, named_tensors: Mapping[str, torch.Tensor]) -> Operation[None]:
         tp = self._tp_size
@@ -333,3 +365,10 @@ class SGLangOperations(HTTPEngine):
 
     def _version_or_default(self) -> tuple[int, ...]:
         return self._version if self._version is not None else parse_version(DEFAULT_VERSION)
+
+
+_PROTOCOL_WORDS = {
+    TENSORS: f"{TENSOR_ROUTE} (legacy)",
+    STREAMED: f"{REGISTER_ROUTE} + a weight-update stream (SGLang main, PR #36384)",
+    None: "no route (publish through the disk transport)",
+}

@@ -25,6 +25,10 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_VERSION",
+    "REGISTER_ROUTE",
+    "STREAMED",
+    "TENSOR_ROUTE",
+    "TENSORS",
     "GenerateResult",
     "buckets",
     "config_dict",
@@ -39,6 +43,43 @@ TENSOR_ROUTE_SINCE = (0, 5, 10)
 PER_RANK_FIELD_SINCE = (0, 5, 17)
 SESSION_SINCE = (0, 5, 23)
 MODELS_LIST_ADAPTERS_SINCE = (0, 5, 10)
+
+# The two ways SGLang takes an adapter's tensors with no files, told apart by the server's routes
+# (servers older than SESSION_SINCE can only speak TENSORS; see docs/engines/sglang.md):
+TENSORS = "tensors"  # POST /load_lora_adapter_from_tensors (0.5.10 ... 0.5.23)
+STREAMED = "streamed"  # /register_lora_adapter, then "{name}:{key}" tensors in a weight-update session (PR #36384)
+TENSOR_ROUTE = "/load_lora_adapter_from_tensors"
+REGISTER_ROUTE = "/register_lora_adapter"
+
+
+def protocol_from_routes(paths: object) -> str | None:
+    """The tensor protocol a server offers, from the paths of its ``/openapi.json`` (None: neither).
+
+    A server with both routes (a build between the two) is driven the new way: that is the one
+    its authors keep.
+    """
+    if not isinstance(paths, Mapping):
+        return None
+    if REGISTER_ROUTE in paths:
+        return STREAMED
+    if TENSOR_ROUTE in paths:
+        return TENSORS
+    return None
+
+
+def streamed_tensors(name: str, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``{"{name}:{key}": tensor}``: how a weight-update stream addresses an adapter's tensors
+    (SGLang splits at the first colon, so ``name`` itself must have none).
+
+    Raises:
+        ConfigError: ``name`` contains a colon.
+    """
+    if ":" in name:
+        raise ConfigError(
+            f"SGLang's streamed adapters are addressed as '{{name}}:{{tensor key}}' and split at the first "
+            f"colon, so the served name {name!r} cannot be streamed; choose a name without ':'"
+        )
+    return {f"{name}:{key}": tensor for key, tensor in tensors.items()}
 
 
 @dataclass(frozen=True)

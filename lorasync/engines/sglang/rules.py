@@ -19,7 +19,16 @@ The rules, from SGLang's source (``sglang/srt/lora``):
   cannot.
 * **packing**: SGLang packs q/k/v into ``qkv_proj`` and gate/up into ``gate_up_proj``; a layer
   adapting any of q/k/v needs ``q_proj`` and ``v_proj`` (else a bare ``KeyError`` or the module
-  silently dropped), one adapting ``up_proj`` needs ``gate_proj``.
+  silently dropped), one adapting ``up_proj`` needs ``gate_proj``. Per-expert modules
+  (``mlp.experts.{E}.gate_proj``) pack the same way, expert by expert.
+* **MoE router**: ``mlp.gate`` is no LoRA target module of SGLang 0.5.23 (not in
+  ``_KNOWN_LORA_TARGET_MODULES``; ``get_target_module_name`` finds no target for its weights, so
+  the load fails): a router LoRA is refused.
+* **MoE experts**: per-expert LoRA (``experts.{E}.…``, loaded into the ``gate_up_proj_moe`` /
+  ``down_proj_moe`` buffers) is served, but ``LoRAManager.update_lora_info`` wires the experts
+  only when the server's target modules include both ``gate_up_proj`` and ``down_proj``:
+  otherwise expert LoRA would load and never apply. PEFT's fused 3-D keys are not read (a lorasync
+  Adapter never holds them: ``Adapter.load`` converts them to per-expert keys).
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from lorasync._moe import group_experts, is_router
 from lorasync.errors import IncompatibleAdapterError
 
 if TYPE_CHECKING:
@@ -35,9 +45,11 @@ if TYPE_CHECKING:
     from lorasync._config import AdapterConfig
 
 __all__ = [
+    "EXPERT_TARGETS",
     "MIXED_RANKS",
     "PACKING",
     "PACKS",
+    "ROUTER",
     "SCALING",
     "Violation",
     "check",
@@ -61,6 +73,8 @@ _PACK_OF = {leaf: pack for pack, leaves in PACKS.items() for leaf in leaves}
 SCALING = "scaling"
 MIXED_RANKS = "mixed_ranks"
 PACKING = "packing"
+ROUTER = "router"
+EXPERT_TARGETS = "expert_targets"
 
 
 @dataclass(frozen=True)
@@ -71,7 +85,7 @@ class Violation:
     loads the adapter and serves other numbers than training (lorasync refuses both).
     """
 
-    rule: str  # SCALING | MIXED_RANKS | PACKING
+    rule: str  # SCALING | MIXED_RANKS | PACKING | ROUTER | EXPERT_TARGETS
     level: str
     message: str
     modules: tuple[str, ...] = ()
@@ -107,7 +121,9 @@ def safe_scaling(config: AdapterConfig, modules: list[str]) -> bool:
     return not config.use_rslora and all(config.scale_for(m) == config.global_scale for m in modules)
 
 
-def violations(ranks: Mapping[str, int], *, r: int, scaling_ok: bool, pads: bool) -> list[Violation]:
+def violations(
+    ranks: Mapping[str, int], *, r: int, scaling_ok: bool, pads: bool, served: frozenset[str] | None = None
+) -> list[Violation]:
     """Every SGLang rule an adapter of this shape breaks, in a fixed order.
 
     Args:
@@ -115,6 +131,8 @@ def violations(ranks: Mapping[str, int], *, r: int, scaling_ok: bool, pads: bool
         r (`int`): the config's ``r``.
         scaling_ok (`bool`): PEFT's per-module scales all equal ``lora_alpha / r`` without rsLoRA.
         pads (`bool`): the route pads mixed ranks (tensor loads), so they break no rule.
+        served (`frozenset[str]`, *optional*): the leaves the server was started for
+            (:func:`served_leaves`); None when unknown or all.
 
     Returns:
         `list[Violation]`: empty when SGLang serves the adapter exactly as trained.
@@ -139,6 +157,30 @@ def violations(ranks: Mapping[str, int], *, r: int, scaling_ok: bool, pads: bool
                 f"adapter has per-module ranks {sorted(distinct)} but SGLang ignores rank_pattern and sizes "
                 f"every module at r={r} (it fails at the first batch); write "
                 "lorasync.engines.sglang.pad_ranks(adapter) instead, which is exact",
+            )
+        )
+    routers = sorted(m for m in ranks if is_router(m))
+    if routers:
+        found.append(
+            Violation(
+                ROUTER,
+                "error",
+                f"SGLang 0.5.23 has no LoRA for the MoE router ({routers[0]}{' ...' if len(routers) > 1 else ''}): "
+                "mlp.gate is not among its LoRA target modules and the load fails; train without router LoRA "
+                "(drop mlp.gate.weight from target_parameters) or serve it with vLLM or the PEFT engine",
+                tuple(routers),
+            )
+        )
+    experts = group_experts(ranks)
+    if experts and served is not None and not {"gate_proj", "up_proj", "down_proj"} <= served:
+        found.append(
+            Violation(
+                EXPERT_TARGETS,
+                "error",
+                "SGLang applies MoE expert LoRA only when started with both gate_up_proj and down_proj in "
+                f"--lora-target-modules (it serves {sorted(served)}); expert LoRA would load and never apply. "
+                "Restart it with those target modules",
+                tuple(sorted(m for members in experts.values() for m in members.values()))[:8],
             )
         )
     layers: dict[tuple[str, str], set[str]] = {}
@@ -166,19 +208,20 @@ def violations(ranks: Mapping[str, int], *, r: int, scaling_ok: bool, pads: bool
     return found
 
 
-def check(adapter: Adapter, *, url: str, pads: bool) -> None:
+def check(adapter: Adapter, *, url: str, pads: bool, served: frozenset[str] | None = None) -> None:
     """Raise the first rule ``adapter`` breaks on SGLang.
 
     Args:
         adapter (`Adapter`): the adapter to serve.
         url (`str`): the server, for the error.
         pads (`bool`): the route pads mixed ranks (tensor loads).
+        served (`frozenset[str]`, *optional*): the leaves the server serves (``Capabilities.target_modules``).
 
     Raises:
         IncompatibleAdapterError: the message says how to convert the adapter.
     """
     ranks = {m: adapter.pair(m)[0].shape[0] for m in adapter.modules}
-    found = violations(ranks, r=adapter.config.r, scaling_ok=adapter.engine_safe_scaling, pads=pads)
+    found = violations(ranks, r=adapter.config.r, scaling_ok=adapter.engine_safe_scaling, pads=pads, served=served)
     if found:
         first = found[0]
         extra = {"modules": list(first.modules)} if first.modules else {}

@@ -40,6 +40,7 @@ from lorasync.engines._engine import Capabilities
 from lorasync.engines._hosts import is_same_host
 from lorasync.engines._http import Call, HTTPEngine, Operation, body_json, body_text
 from lorasync.engines.vllm._bodies import Completion, adapter_roots, completion_of, lora_in_use
+from lorasync.engines.vllm.moe import check as check_moe
 from lorasync.engines.vllm._errors import dig, disabled, engine_dead, generic, load_error, message_of, route_missing, unexpected
 from lorasync.engines.vllm._protocol import (
     COMPLETIONS_ROUTE,
@@ -55,6 +56,7 @@ from lorasync.engines.vllm._protocol import (
     WORKER_EXTENSION,
     CudaStage,
     ShmStage,
+    one_cuda_device,
 )
 from lorasync.engines._versions import check_engine_version
 from lorasync.errors import (
@@ -77,9 +79,14 @@ class VLLMEngine(HTTPEngine):
     """Load, unload and list LoRA adapters on a vLLM OpenAI server.
 
     Args:
-        url (`str`, defaults to ``"http://127.0.0.1:8000"``): the server's URL.
+        url (`str`, defaults to ``"http://127.0.0.1:8000"``): the server's URL. It may carry
+            ``user:password@`` (basic auth) and a ``?query`` (sent with every request); both are
+            secrets, like the key.
         api_key (`str`, *optional*): the server's ``--api-key``; defaults to ``$VLLM_API_KEY``.
-            Never logged or shown in ``repr``.
+            Never logged, shown in ``repr`` or pickled (an unpickled client refuses to send until
+            given it; use ``api_key_env`` to have it read again there).
+        api_key_env (`str`, *optional*): the environment variable holding the key (required then),
+            read where the client is built and again wherever it is unpickled.
         timeout (`float`): seconds per request; a load reads and validates the adapter first.
         retries (`RetryPolicy | int | None`): retries of connection errors and 502/503/504.
         max_rank (`int`, *optional*): the server's ``--max-lora-rank``, reported by
@@ -107,6 +114,7 @@ class VLLMEngine(HTTPEngine):
         url: str = "http://127.0.0.1:8000",
         *,
         api_key: str | None = None,
+        api_key_env: str | None = None,
         timeout: float = 60.0,
         retries: RetryPolicy | int | None = None,
         max_rank: int | None = None,
@@ -116,7 +124,13 @@ class VLLMEngine(HTTPEngine):
         async_transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         super().__init__(
-            url, api_key=api_key, timeout=timeout, retries=retries, transport=transport, async_transport=async_transport
+            url,
+            api_key=api_key,
+            api_key_env=api_key_env,
+            timeout=timeout,
+            retries=retries,
+            transport=transport,
+            async_transport=async_transport,
         )
         self.max_rank = max_rank
         self.max_loras = max_loras
@@ -139,6 +153,17 @@ class VLLMEngine(HTTPEngine):
 
     async def acapabilities(self) -> Capabilities:
         return await self._arun(self._capabilities())
+
+    def check_adapter(self, adapter: Adapter, caps: Capabilities) -> None:
+        """The generic checks, then vLLM's MoE rules (:mod:`lorasync.engines.vllm.moe`: every expert
+        of a layer with all three projections, one rank per projection). This client sends
+        per-expert MoE LoRA, the format every vLLM loads.
+
+        Raises:
+            LoraNotEnabledError, RankTooLargeError, IncompatibleAdapterError.
+        """
+        super().check_adapter(adapter, caps)
+        check_moe(adapter, caps, moe_lora_format="per_expert")
 
     def load_adapter(self, name: str, path: str | os.PathLike[str], *, load_inplace: bool = False) -> None:
         """Load the PEFT adapter directory ``path`` (on the server's host) under ``name``.
@@ -255,6 +280,14 @@ class VLLMEngine(HTTPEngine):
     async def alist_adapters(self) -> list[str]:
         return await self._arun(self._list())
 
+    def adapter_sources(self) -> dict[str, str | None]:
+        """Each served adapter's ``lora_path`` from ``/v1/models``: the directory it was loaded
+        from, or for a tensor (IPC) load a staging token unique to that load."""
+        return self._run(self._roots())
+
+    async def aadapter_sources(self) -> dict[str, str | None]:
+        return await self._arun(self._roots())
+
     def generate(
         self,
         prompt_token_ids: Sequence[int],
@@ -320,7 +353,7 @@ class VLLMEngine(HTTPEngine):
             raise unexpected(self, route, LOAD_ROUTE, None, EngineProtocolError, "the check of the runtime LoRA route")
         runtime_lora = route.status_code == 405
 
-        lora, max_rank, max_loras, targets, extension_cls = True, self.max_rank, self.max_loras, None, ""
+        lora, max_rank, max_loras, targets, extension_cls, moe_3d = True, self.max_rank, self.max_loras, None, "", False
         info = yield Call("GET", SERVER_INFO_ROUTE, params={"config_format": "json"})
         config = dig(body_json(info), "vllm_config") if info.status_code == 200 else None
         if isinstance(config, dict):  # dev mode: the server's own config is authoritative
@@ -332,6 +365,7 @@ class VLLMEngine(HTTPEngine):
                 max_loras = lora_config.get("max_cpu_loras") or lora_config.get("max_loras", max_loras)
                 if lora_config.get("target_modules"):
                     targets = frozenset(lora_config["target_modules"])
+                moe_3d = lora_config.get("enable_mixed_moe_lora_format") is True
             extension_cls = dig(config, "parallel_config", "worker_extension_cls") or ""
 
         extension = False
@@ -365,6 +399,7 @@ class VLLMEngine(HTTPEngine):
             reloads_from_path=True,  # the worker LRU re-reads an evicted adapter from its path
             same_host=self.same_host,
             fused_modules=FUSED_MODULES,
+            moe_3d=moe_3d,
             notes=tuple(notes),
         )
 
@@ -436,7 +471,7 @@ class VLLMEngine(HTTPEngine):
         token = uuid.uuid4().hex
         config = json.dumps(adapter.config.to_peft().to_dict(), default=sorted)
         staged = False
-        if self.same_host and _one_cuda_device(adapter):
+        if self.same_host and one_cuda_device(adapter.tensors):
             staged = yield from self._stage_cuda(name, token, adapter, config)
         if not staged:
             # CPU tensors are copied in directly; GPU tensors come over in one transfer per device.
@@ -539,12 +574,15 @@ class VLLMEngine(HTTPEngine):
         raise generic(self, response, UNLOAD_ROUTE, name, message, f"unload of adapter {name!r}")
 
     def _list(self) -> Operation[list[str]]:
+        return list((yield from self._roots()))
+
+    def _roots(self) -> Operation[dict[str, str | None]]:
         response = yield Call("GET", MODELS_ROUTE)
         if response.status_code != 200:
             raise generic(self, response, MODELS_ROUTE, None, message_of(response), "listing models")
         if dig(body_json(response), "data") is None:
             raise unexpected(self, response, MODELS_ROUTE, None, EngineProtocolError, "listing models")
-        return list(adapter_roots(response))
+        return adapter_roots(response)
 
     def _greedy(
         self, name: str | None, prompt_ids: Sequence[int], max_tokens: int
@@ -596,7 +634,3 @@ class VLLMEngine(HTTPEngine):
 # -- helpers --------------------------------------------------------------------------------------
 
 
-def _one_cuda_device(adapter: Adapter) -> bool:
-    """All of the adapter's tensors on one CUDA device (what one CUDA IPC share can carry)."""
-    devices = {t.device for t in adapter.tensors.values()}
-    return len(devices) == 1 and next(iter(devices)).type == "cuda"

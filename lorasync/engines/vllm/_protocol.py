@@ -42,6 +42,7 @@ __all__ = [
     "CudaStage",
     "ShmStage",
     "check_token",
+    "one_cuda_device",
 ]
 
 LOAD_ROUTE = "/v1/load_lora_adapter"
@@ -65,6 +66,12 @@ CONFIG_KEY = "lorasync.adapter_config"
 FUSED_MODULES = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 SHM_STAGE_VERSION = 1
+
+
+def one_cuda_device(tensors: Mapping[str, Any]) -> bool:
+    """All tensors on one CUDA device: what one CUDA IPC share (:class:`CudaStage`) can carry."""
+    devices = {t.device for t in tensors.values()}
+    return len(devices) == 1 and next(iter(devices)).type == "cuda"
 
 
 def check_token(token: Any) -> str:
@@ -141,17 +148,24 @@ class CudaStage:
         token (`str`): the adapter's staging token.
         ipc (`Mapping`): ``CudaShare.spec`` (versioned and validated by
             ``lorasync.wire.cuda_ipc``, which the worker calls to map it).
+        on_gpu (`bool`): the worker keeps its copy on its own GPU (a colocated engine on the
+            trainer's GPU: no round trip through host memory); default: page-locked host memory,
+            where vLLM keeps its LoRA cache.
     """
 
     token: str
     ipc: Mapping[str, Any] = field(default_factory=dict)
+    on_gpu: bool = False
 
     def __post_init__(self) -> None:
         check_token(self.token)
 
     def to_json(self) -> str:
         """The spec as sent through ``collective_rpc``."""
-        return json.dumps({**self.ipc, "token": self.token})
+        spec: dict[str, Any] = {**self.ipc, "token": self.token}
+        if self.on_gpu:  # sent only when set: a worker of an older lorasync reads the rest unchanged
+            spec["on_gpu"] = True
+        return json.dumps(spec)
 
     @classmethod
     def from_json(cls, text: str) -> CudaStage:
@@ -162,4 +176,7 @@ class CudaStage:
         """
         spec = _object(text, "CUDA IPC stage")
         token = spec.pop("token", None)
-        return cls(token=token, ipc=spec)  # type: ignore[arg-type]
+        on_gpu = spec.pop("on_gpu", False)
+        if not isinstance(on_gpu, bool):
+            raise ConfigError(f"CUDA IPC stage: on_gpu must be true or false, got {on_gpu!r}")
+        return cls(token=token, ipc=spec, on_gpu=on_gpu)  # type: ignore[arg-type]

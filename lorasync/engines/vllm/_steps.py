@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from lorasync.engines.vllm._errors import INCOMPATIBLE, RANK_REFUSAL, worker_message
+from lorasync.engines.vllm._frontend import Frontend
 from lorasync.errors import (
     AdapterNotFoundError,
     AdapterRejectedError,
@@ -23,6 +24,7 @@ from lorasync.errors import (
     EngineError,
     EngineDeadError,
     IncompatibleAdapterError,
+    LoraSyncError,
     RankTooLargeError,
 )
 
@@ -53,6 +55,7 @@ class StepDriver:
     is_async: bool
     _core: Any
     _loop: asyncio.AbstractEventLoop | None
+    _frontend: Frontend
 
     # -- drivers ----------------------------------------------------------------------------------
 
@@ -70,6 +73,7 @@ class StepDriver:
                     "a-prefixed methods (await engine.aload_adapter(...), await publisher.apublish(...))"
                 )
             return asyncio.run_coroutine_threadsafe(self._drive_async(op), self._loop).result()
+        self._frontend.check_idle(self.kind)
         try:
             step = next(op)
             while True:
@@ -107,8 +111,8 @@ class StepDriver:
         target = self if step.local else self._core
         try:
             return getattr(target, step.method)(*step.args, **step.kwargs)
-        except EngineError:
-            raise
+        except LoraSyncError:
+            raise  # already typed (the engine's own refusals)
         except Exception as exc:
             raise self._translate(exc, step) from exc
 
@@ -117,8 +121,8 @@ class StepDriver:
             if step.local:
                 return await getattr(self, "a" + step.method)(*step.args, **step.kwargs)
             return await getattr(self._core, step.method)(*step.args, **step.kwargs)
-        except EngineError:
-            raise
+        except LoraSyncError:
+            raise  # already typed (the engine's own refusals)
         except Exception as exc:
             raise self._translate(exc, step) from exc
 

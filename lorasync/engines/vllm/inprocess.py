@@ -13,8 +13,12 @@ Each operation is written once as a generator of steps (a method of the engine c
 arguments) and driven two ways by ``_steps.StepDriver``, as the HTTP clients do with their
 calls: directly for a ``vllm.LLM``, awaited on the AsyncLLM's own event loop for an ``AsyncLLM``.
 
-Tested against vLLM 0.32 (CPU build). The module runs a little over 400 lines because each
-operation is written once for both the sync ``LLM`` and the ``AsyncLLM``.
+What the engine objects over one vLLM share — one sender into a sync ``LLM``'s engine core,
+retired versions refused when a request for them is submitted, and staged tensors kept while a
+request may still make vLLM rebuild the adapter — lives in ``_frontend.Frontend``.
+
+Tested against vLLM 0.32 (CPU build). The module runs over 400 lines because each operation is
+written once for both the sync ``LLM`` and the ``AsyncLLM``, and each is documented.
 """
 
 from __future__ import annotations
@@ -26,11 +30,17 @@ import json
 import os
 import threading
 import uuid
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from lorasync._moe import group_experts
 from lorasync.engines._engine import Capabilities, Engine
-from lorasync.engines.vllm._protocol import CONFIG_KEY, FUSED_MODULES, IPC_PREFIX, WORKER_EXTENSION, ShmStage
+from lorasync.engines.vllm._frontend import Frontend
+from lorasync.engines.vllm._protocol import CONFIG_KEY, FUSED_MODULES, IPC_PREFIX, WORKER_EXTENSION, CudaStage, ShmStage, one_cuda_device
 from lorasync.engines.vllm._steps import Op, Step, StepDriver
+from lorasync.engines.vllm.moe import check as check_moe
+from lorasync.engines.vllm.moe import check_format, fused_tensors, num_experts_of
+from lorasync.engines.vllm._surface import resolve, version_text
 from lorasync.errors import (
     AdapterAlreadyLoadedError,
     AdapterNotFoundError,
@@ -62,6 +72,10 @@ class VLLMInProcessEngine(StepDriver, Engine):
         loop (`asyncio.AbstractEventLoop`, *optional*): the AsyncLLM's event loop; defaults to the
             loop running when the engine is made (connect inside the loop that drives the AsyncLLM).
         timeout (`float`): seconds a worker call may take.
+        moe_lora_format (`str`, defaults to ``"per_expert"``): how tensor loads send MoE expert
+            LoRA: one LoRA per expert (every vLLM loads it), or ``"3d"``, PEFT's fused layout with
+            ``is_3d_lora_weight=True``, which needs ``enable_mixed_moe_lora_format=True``. Files
+            (disk) are always per expert.
 
     Raises:
         ConfigError: ``llm`` is neither, or an AsyncLLM is given without a loop.
@@ -75,8 +89,9 @@ class VLLMInProcessEngine(StepDriver, Engine):
 
     kind: ClassVar[str] = "vllm-inprocess"
 
-    def __init__(self, *, llm: Any, loop: asyncio.AbstractEventLoop | None = None, timeout: float = 120.0) -> None:
+    def __init__(self, *, llm: Any, loop: asyncio.AbstractEventLoop | None = None, timeout: float = 120.0, moe_lora_format: str = "per_expert") -> None:
         self.llm = llm
+        self.moe_lora_format = check_format(moe_lora_format)
         self.is_async = inspect.iscoroutinefunction(getattr(llm, "add_lora", None))
         core = llm if self.is_async else getattr(llm, "llm_engine", None)
         if core is None or not hasattr(core, "add_lora") or not hasattr(core, "vllm_config"):
@@ -97,8 +112,12 @@ class VLLMInProcessEngine(StepDriver, Engine):
         self.url = f"in-process {type(llm).__name__}"
         self._served: dict[str, Any] = {}  # name -> LoRARequest
         self._tokens: dict[str, str] = {}  # name -> token of tensors staged in the workers
+        self._retired: dict[str, int] = {}  # unloaded name -> its lora_int_id, until vLLM lets go of it
         self._ids = _LORA_IDS  # shared: two engine objects over one LLM must never reuse an id
         self._lock = threading.Lock()
+        # Shared by every engine object over this LLM: one sender, retired versions refused at
+        # admission, sources kept while a request may rebuild them (see _frontend).
+        self._frontend = Frontend.of(core, is_async=self.is_async)
 
     # -- what users call besides the Engine protocol ----------------------------------------------
 
@@ -118,6 +137,22 @@ class VLLMInProcessEngine(StepDriver, Engine):
                 adapter=name,
             )
         return request
+
+    @property
+    def lock(self) -> threading.RLock:
+        """The driver's lock of a sync ``vllm.LLM`` (shared by every engine object over it).
+
+        Publishing needs none: every send into the engine core is serialised already, so it may
+        run while another thread's ``llm.generate`` decodes. A publish with ``verify=`` generates
+        through the LLM too, and a ``vllm.LLM`` has one driver: hold this lock around your own
+        ``llm.generate`` calls and the verification waits for them (without it, a verification
+        that meets a running generate is refused with ``ConfigError``).
+        """
+        return self._frontend.driver_lock
+
+    def home_loop(self) -> asyncio.AbstractEventLoop | None:
+        """The AsyncLLM's event loop (blocking calls there would deadlock it); None for a ``vllm.LLM``."""
+        return self._loop if self.is_async else None
 
     # -- the Engine protocol ----------------------------------------------------------------------
 
@@ -145,6 +180,7 @@ class VLLMInProcessEngine(StepDriver, Engine):
             "with transport='merged'",
             raise_rank="build the LLM with max_lora_rank >= {rank} or train/trim the adapter to r <= {max_rank}",
         )
+        check_moe(adapter, caps, moe_lora_format=self.moe_lora_format)
 
     def load_adapter(self, name: str, path: str | os.PathLike[str]) -> None:
         """Load the PEFT adapter directory ``path`` under ``name``; returns once the workers built it.
@@ -183,11 +219,42 @@ class VLLMInProcessEngine(StepDriver, Engine):
 
     def list_adapters(self) -> list[str]:
         """Names loaded through this engine object (vLLM itself keeps only integer ids)."""
+        if self._frontend.pending and not self._on_home_loop():
+            self._run(self._sweep())  # sources of retired versions whose last request finished
         with self._lock:
             return sorted(self._served)
 
     async def alist_adapters(self) -> list[str]:
-        return self.list_adapters()
+        if self._frontend.pending:
+            await self._arun(self._sweep())
+        with self._lock:
+            return sorted(self._served)
+
+    def close(self) -> None:
+        """Release what retired versions' finished requests no longer need; the LLM stays (it is the caller's)."""
+        if self._frontend.pending and not self._on_home_loop():
+            self._run(self._sweep())
+
+    async def aclose(self) -> None:
+        if self._frontend.pending:
+            await self._arun(self._sweep())
+
+    def held_adapters(self) -> frozenset[str]:
+        """Names whose LoRA the engine core holds now, by vLLM's own ``list_loras`` (integer
+        ids): the served ones it has cached, and unloaded ones it did not let go of (a leak)."""
+        return self._run(self._held())
+
+    async def aheld_adapters(self) -> frozenset[str]:
+        return await self._arun(self._held())
+
+    def _held(self) -> Op[frozenset[str]]:
+        ids = set((yield Step("list_loras")) or ())
+        with self._lock:
+            for name, lora_id in list(self._retired.items()):
+                if lora_id not in ids:
+                    del self._retired[name]  # freed
+            known = {name: request.lora_int_id for name, request in self._served.items()} | self._retired
+        return frozenset(name for name, lora_id in known.items() if lora_id in ids)
 
     def adapters_in_use(self) -> frozenset[str] | None:
         """Adapter names of the requests the engine's output processor tracks now (waiting,
@@ -229,9 +296,7 @@ class VLLMInProcessEngine(StepDriver, Engine):
                 extension = bool(answers) and all(answers)
             except EngineError:
                 extension = False
-        import vllm
-
-        notes = [f"vllm {vllm.__version__}", f"dtype {config.model_config.dtype}"]
+        notes = [f"vllm {version_text()}", f"dtype {config.model_config.dtype}"]
         if lora is not None:
             notes.append(f"lora dtype {lora.lora_dtype}")
         if not extension:
@@ -251,15 +316,29 @@ class VLLMInProcessEngine(StepDriver, Engine):
             same_host=True,
             in_process=True,
             # The caller's own llm.generate and lorasync's add/remove_lora share one engine-core
-            # socket that must not be used from two threads at once; AsyncLLM calls are
-            # serialised on its loop.
-            concurrent_calls=self.is_async,
+            # socket that must not be used from two threads at once: the Frontend serialises the
+            # sends (AsyncLLM calls run on its loop), so retirement may run in the background;
+            # where it cannot, retirement runs inside publish and refuses while requests run.
+            concurrent_calls=self._frontend.serialised,
             fused_modules=FUSED_MODULES,
+            moe_3d=bool(getattr(lora, "enable_mixed_moe_lora_format", False)),
             notes=tuple(notes),
         )
 
+    def _on_home_loop(self) -> bool:
+        try:
+            return self.is_async and asyncio.get_running_loop() is self._loop
+        except RuntimeError:
+            return False
+
+    def _sweep(self) -> Op[None]:
+        """Release the staged tensors of unloaded versions whose last request finished."""
+        for token in self._frontend.releasable():
+            yield from self._release(token)
+
     def _ready(self, name: str) -> Op[None]:
         """Refuse before anything moves: bad name, LoRA off, name taken, engine asleep."""
+        yield from self._sweep()
         if not name:
             raise ConfigError("adapter name must be a non-empty string")
         if self._core.vllm_config.lora_config is None:
@@ -289,7 +368,7 @@ class VLLMInProcessEngine(StepDriver, Engine):
                 adapter=name,
             )
 
-    def _load(self, name: str, path: str) -> Op[None]:
+    def _load(self, name: str, path: str, *, is_3d: bool = False) -> Op[None]:
         yield from self._ready(name)
         if not path.startswith(IPC_PREFIX) and not os.path.isfile(os.path.join(path, "adapter_config.json")):
             raise AdapterNotFoundError(
@@ -300,14 +379,21 @@ class VLLMInProcessEngine(StepDriver, Engine):
                 adapter=name,
                 path=path,
             )
-        from vllm.lora.request import LoRARequest
+        LoRARequest = resolve("LoRARequest")  # noqa: N806 - vLLM's class
 
-        request = LoRARequest(lora_name=name, lora_int_id=next(self._ids), lora_path=path)
+        extra = {"is_3d_lora_weight": True} if is_3d else {}
+        request = LoRARequest(lora_name=name, lora_int_id=next(self._ids), lora_path=path, **extra)
         try:
             yield Step("add_lora", (request,))
         except EngineError as exc:
             if isinstance(exc, EngineUnavailableError):
                 raise
+            # vLLM registers an adapter before activating it: one it refuses while activating
+            # (shapes of another base) would stay in its cache under this id, a zombie taking a slot.
+            try:
+                yield Step("remove_lora", (request.lora_int_id,))
+            except EngineError:
+                pass
             raise self._load_error(name, path, exc) from exc
         with self._lock:
             self._served[name] = request
@@ -327,19 +413,45 @@ class VLLMInProcessEngine(StepDriver, Engine):
             )
         token = uuid.uuid4().hex
         config = json.dumps(adapter.config.to_peft().to_dict(), default=sorted)
-        segment = to_shm_segment(adapter.tensors, {CONFIG_KEY: config})
+        is_3d = self.moe_lora_format == "3d" and bool(group_experts(adapter.modules))
+        if is_3d:
+            check_moe(adapter, caps, moe_lora_format="3d")  # also when called without a publisher
+        experts = num_experts_of(getattr(self._core.vllm_config.model_config, "hf_text_config", None))
+        tensors = fused_tensors(adapter, engine=self.kind, num_experts=experts) if is_3d else adapter.tensors
+        staged = False
+        if one_cuda_device(tensors):
+            staged = yield from self._stage_cuda(token, tensors, config)
+        if not staged:
+            segment = to_shm_segment(tensors, {CONFIG_KEY: config})
+            try:
+                spec = ShmStage(shm=segment.name, nbytes=segment.nbytes, token=token).to_json()
+                yield Step("collective_rpc", ("lorasync_stage_adapter",), kwargs={"args": (spec,), "timeout": self.timeout})
+            finally:
+                segment.release()  # every worker copied the tensors out (or failed)
         try:
-            spec = ShmStage(shm=segment.name, nbytes=segment.nbytes, token=token).to_json()
-            yield Step("collective_rpc", ("lorasync_stage_adapter",), kwargs={"args": (spec,), "timeout": self.timeout})
-        finally:
-            segment.release()  # every worker copied the tensors out (or failed)
-        try:
-            yield from self._load(name, IPC_PREFIX + token)
+            yield from self._load(name, IPC_PREFIX + token, is_3d=is_3d)
         except BaseException:
             yield from self._release(token)
             raise
         with self._lock:
             self._tokens[name] = token
+
+    def _stage_cuda(self, token: str, tensors: Mapping[str, Any], config: str) -> Op[bool]:
+        """Hand a GPU adapter to the workers through CUDA IPC, the copy kept on their GPU (the
+        engine is colocated: no host round trip); False, after undoing any partial staging, when
+        some worker cannot map it (another GPU set, no CUDA)."""
+        from lorasync.wire.cuda_ipc import share_tensors
+
+        shared = share_tensors(tensors, {CONFIG_KEY: config})
+        try:
+            spec = CudaStage(token=token, ipc=shared.spec, on_gpu=True).to_json()
+            results = yield Step("collective_rpc", ("lorasync_stage_adapter_cuda",), kwargs={"args": (spec,), "timeout": self.timeout})
+        finally:
+            shared.release()  # every worker has its own copy (or failed)
+        if results and all(isinstance(r, dict) and r.get("staged") is True for r in results):
+            return True
+        yield from self._release(token)
+        return False
 
     def _release(self, token: str) -> Op[None]:
         try:
@@ -365,17 +477,29 @@ class VLLMInProcessEngine(StepDriver, Engine):
                 url=self.url,
                 adapter=name,
             )
-        # False when the adapter was already evicted from the worker cache: forgotten either way.
-        yield Step("remove_lora", (request.lora_int_id,))
+        # From here a request naming this version is refused when submitted: vLLM would rebuild
+        # the adapter for it from a source lorasync is about to free.
+        self._frontend.retire(request.lora_int_id, name)
+        try:
+            # False when the adapter was already evicted from the worker cache: forgotten either way.
+            yield Step("remove_lora", (request.lora_int_id,))
+        except BaseException:
+            self._frontend.unretire(request.lora_int_id)
+            raise
         with self._lock:
+            self._retired[name] = request.lora_int_id  # held_adapters() tells whether vLLM let go
             self._served.pop(name, None)
             token = self._tokens.pop(name, None)
+        # A request admitted before (a forced retirement) may still make vLLM rebuild the adapter:
+        # its staged tensors stay until that request finished.
+        token = self._frontend.keep_or_release(request.lora_int_id, token)
         if token is not None:
             yield from self._release(token)
 
     def _greedy(self, name: str | None, prompt_ids: list[int], max_tokens: int) -> Op[tuple[list[int], list[float]]]:
-        from vllm import SamplingParams
+        SamplingParams = resolve("SamplingParams")  # noqa: N806 - vLLM's class
 
+        yield from self._sweep()
         request = self.lora_request(name) if name is not None else None
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=1, ignore_eos=True)
         tokens, logprobs = yield Step("generate_one", ([int(t) for t in prompt_ids], params, request), local=True)
@@ -384,7 +508,16 @@ class VLLMInProcessEngine(StepDriver, Engine):
     # -- generation, the one step that differs between LLM and AsyncLLM -------------------------
 
     def generate_one(self, prompt_ids: list[int], params: Any, request: Any) -> tuple[list[int], list[float]]:
-        outputs = self.llm.generate([{"prompt_token_ids": prompt_ids}], params, lora_request=request, use_tqdm=False)
+        with self._frontend.driver_lock:
+            self._frontend.check_idle(self.kind, stepping=True)
+            outputs = self.llm.generate([{"prompt_token_ids": prompt_ids}], params, lora_request=request, use_tqdm=False)
+        if len(outputs) != 1:  # another thread's generate started meanwhile and was stepped here
+            raise EngineError(
+                f"{self.kind}: the LLM generated for another thread during verification ({len(outputs)} outputs); hold "
+                "engine.lock around your llm.generate calls",
+                engine=self.kind,
+                url=self.url,
+            )
         return _tokens_and_logprobs(outputs[0].outputs[0])
 
     async def agenerate_one(self, prompt_ids: list[int], params: Any, request: Any) -> tuple[list[int], list[float]]:

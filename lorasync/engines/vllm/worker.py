@@ -20,14 +20,21 @@ Adapter flow (driven by ``VLLMEngine.load_adapter_tensors``):
    ``lorasync_release_adapter(token)``. Staged tensors stay until then because vLLM may evict and
    re-load the adapter from its "path" at any time.
 
+The staged tensors are the version's snapshot, owned by the worker and never handed to vLLM
+itself: every build (the first, and each rebuild after vLLM's LRU evicted the adapter) gets its own
+copy, because vLLM folds the LoRA scale into ``lora_B`` in place while it builds.
+
 When the trainer's adapter lives on a GPU of this host, step 1-2 are instead
 ``collective_rpc("lorasync_stage_adapter_cuda", spec)``: every worker maps the trainer's packed
 GPU buffer through a CUDA IPC handle (encoded as JSON, no pickle), copies it straight into its
-own page-locked host memory (where vLLM 0.32 builds adapters) and returns; lorasync then frees
+own page-locked host memory (where vLLM builds adapters) and returns; lorasync then frees
 the buffer. A worker that cannot map it (no CUDA, the GPU not visible) answers
-``staged: False`` and lorasync falls back to shared memory.
+``staged: False`` and lorasync falls back to shared memory. A colocated engine (the in-process
+``vllm.LLM`` on the trainer's GPU) asks for ``on_gpu``: the copy stays on the worker's GPU and
+vLLM builds the adapter there, so no byte of it crosses host memory.
 
-Tested against vLLM 0.32 (``WorkerLoRAManager._load_adapter``); other versions may differ.
+Mirrors ``WorkerLoRAManager._load_adapter`` of the running vLLM: the differences between
+releases (0.26 on the H200, 0.32 on CPU) are in ``_lora_compat``.
 """
 
 from __future__ import annotations
@@ -47,6 +54,10 @@ from lorasync.wire.shm import read_segment
 __all__ = ["CONFIG_KEY", "IPC_PREFIX", "LoraSyncWorkerExtension"]
 
 _STAGED: dict[str, tuple[dict[str, torch.Tensor], dict[str, Any]]] = {}
+# Released by lorasync while a request this worker runs still names them (a forced retirement):
+# vLLM rebuilds the adapter for that request from here once it is evicted. Dropped as soon as no
+# request of this worker names them.
+_RELEASED: dict[str, tuple[dict[str, torch.Tensor], dict[str, Any]]] = {}
 _LOCK = threading.Lock()
 
 
@@ -82,30 +93,59 @@ class LoraSyncWorkerExtension:
         stage = CudaStage.from_json(spec_json)
         token = stage.token
         try:
-            tensors, metadata = import_tensors(stage.ipc, device="cpu")
+            tensors, metadata = import_tensors(stage.ipc, device=None if stage.on_gpu else "cpu")
         except CudaIpcUnavailableError as exc:
             return {"token": token, "staged": False, "reason": str(exc)}
         return _stage(self, token, tensors, metadata)
 
     def lorasync_release_adapter(self, token: str) -> bool:
+        """Drop the tensors staged under ``token`` (the adapter was unloaded). A request this
+        worker still runs on them keeps them until it finished (see ``_RELEASED``)."""
+        running = _running_tokens(self)
         with _LOCK:
-            return _STAGED.pop(token, None) is not None
+            staged = _STAGED.pop(token, None)
+            if staged is not None and token in running:
+                _RELEASED[token] = staged
+            for kept in [t for t in _RELEASED if t not in running]:
+                del _RELEASED[kept]
+        return staged is not None
 
     def lorasync_staged(self) -> list[str]:
+        """Tokens whose tensors this worker holds: staged, or released but still needed by a request."""
+        running = _running_tokens(self)
         with _LOCK:
-            return sorted(_STAGED)
+            for kept in [t for t in _RELEASED if t not in running]:
+                del _RELEASED[kept]
+            return sorted({*_STAGED, *_RELEASED})
 
     def lorasync_update_weights(self, spec_json: str) -> dict[str, Any]:
         """Load base weights (HF names) from shared memory with the model's own ``load_weights``.
 
         ``spec_json``: a :class:`~lorasync.engines.vllm._protocol.ShmStage` without a token.
         """
+        from lorasync.engines.vllm import _lora_compat
+        from lorasync.engines.vllm._surface import version_text
+
         spec = ShmStage.from_json(spec_json)
         tensors, _ = read_segment(spec.shm, spec.nbytes)
+        rules = _lora_compat.rules_for(version_text())
+        if rules.base_layer_names:
+            tensors = _lora_compat.to_base_layer_names(tensors, self.model_runner.model)  # type: ignore[attr-defined]
         # reload_weights re-runs the post-load processing (CPU/GPU kernels repack weights) and
         # resets LoRA state derived from the old weights.
         self.model_runner.reload_weights(weights_iterator=iter(tensors.items()), is_checkpoint_format=True)  # type: ignore[attr-defined]
         return {"updated": len(tensors)}
+
+
+def _running_tokens(worker: Any) -> set[str]:
+    """Staging tokens named by the requests this worker's model runner holds (scheduled at least
+    once and not finished: running or preempted). Requests still waiting in the scheduler are
+    not known here; the in-process engine's Frontend covers those."""
+    requests = getattr(getattr(worker, "model_runner", None), "requests", None)
+    if not isinstance(requests, dict):
+        return set()
+    paths = {str(getattr(getattr(r, "lora_request", None), "lora_path", "")) for r in list(requests.values())}
+    return {p[len(IPC_PREFIX) :] for p in paths if p.startswith(IPC_PREFIX)}
 
 
 def _stage(worker: Any, token: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> dict[str, Any]:
@@ -135,53 +175,118 @@ def _install_loader(worker: Any) -> None:
     manager._lorasync_installed = True
 
 
+#: Where vLLM keeps ``LoRAAdapterNotFoundError``, newest first (0.32: ``vllm.exceptions``).
+def _not_found(lora_name: str, lora_path: str) -> Exception:
+    """vLLM's own "no adapter found" error (the HTTP server answers it with 404, and lorasync's
+    clients map its text to ``AdapterNotFoundError``), from whichever module this vLLM has it in."""
+    from lorasync.engines.vllm._surface import resolve
+    from lorasync.errors import CapabilityError
+
+    try:
+        return resolve("LoRAAdapterNotFoundError")(lora_name, lora_path)
+    except CapabilityError:  # a vLLM without it: the same words, which the clients map too
+        return FileNotFoundError(f"Loading lora {lora_name} failed: No adapter found for {lora_path}")
+
+
 def _load_staged(manager: Any, lora_request: Any, token: str) -> Any:
     # Mirrors vLLM 0.32 WorkerLoRAManager._load_adapter / LoRAModel.from_local_checkpoint with
     # the tensors and config taken from the staging area instead of a directory.
-    from vllm.lora.peft_helper import PEFTHelper
-    from vllm.lora.utils import is_base_embedding_weights, parse_fine_tuned_lora_name
+    from lorasync.engines.vllm._surface import resolve  # vLLM's names, wherever this release keeps them
+
+    from lorasync.engines.vllm import _lora_compat
+    from lorasync.engines.vllm._surface import version_text
+
+    PEFTHelper = resolve("PEFTHelper")  # noqa: N806 - vLLM's class
+    rules = _lora_compat.rules_for(version_text())
 
     with _LOCK:
-        staged = _STAGED.get(token)
+        staged = _STAGED.get(token) or _RELEASED.get(token)
     if staged is None:
-        from vllm.lora.lora_model import LoRAAdapterNotFoundError  # type: ignore[attr-defined]
-
-        raise LoRAAdapterNotFoundError(lora_request.lora_name, lora_request.lora_path)
+        raise _not_found(lora_request.lora_name, lora_request.lora_path)
     tensors, config = staged
     adapter_manager = manager._adapter_manager
-    expected: set[str] = set()
-    for module in adapter_manager.supported_lora_modules:
-        expected.update(adapter_manager.packed_modules_mapping.get(module, [module]))
     peft_helper = PEFTHelper.from_dict({**config, "vllm_max_position_embeddings": manager.max_position_embeddings})
     peft_helper.validate_legal(manager.lora_config)
     model = adapter_manager.model
-    mapper = getattr(model, "hf_to_vllm_mapper", None)
-    if mapper is not None:
-        mapper = mapper.get_rename_mapper()
-    unexpected = []
-    for key in tensors:
-        if is_base_embedding_weights(key):
-            continue
-        module_name, _ = parse_fine_tuned_lora_name(key, mapper)
-        if module_name.rsplit(".", 1)[-1] not in expected:
-            unexpected.append(module_name)
+    mapper = _lora_compat.rename_mapper(rules, model)
+    skip_prefixes = getattr(model, "lora_skip_prefixes", None)
+    unexpected = _unexpected_modules(tensors, _expected_modules(adapter_manager), mapper, skip_prefixes, peft_helper)
     if unexpected:
         raise ValueError(
-            f"While loading {lora_request.lora_path}, expected target modules in {expected} but received "
-            f"{unexpected}. Please verify that the loaded LoRA module is correct"
+            f"While loading {lora_request.lora_path}, expected target modules in {_expected_modules(adapter_manager)} but "
+            f"received {unexpected}. Please verify that the loaded LoRA module is correct"
         )
+    dtype = manager.lora_config.lora_dtype
+    tensors = _local_experts(tensors, getattr(adapter_manager, "moe_ep_load_spec", None))
     lora = manager._lora_model_cls.from_lora_tensors(
         lora_model_id=lora_request.lora_int_id,
-        tensors=dict(tensors),
+        # A copy per build: vLLM folds alpha/r into lora_B in place (LoRALayerWeights.optimize),
+        # and rebuilds an evicted adapter from this same staged snapshot, which must stay as staged.
+        # The copy stays where the staged tensors are (host memory, or the colocated GPU: on_gpu).
+        tensors={key: t.to(dtype=dtype if isinstance(dtype, torch.dtype) else t.dtype, copy=True) for key, t in tensors.items()},
         peft_helper=peft_helper,
-        device="cpu",
+        # Where the staged copy is: page-locked host memory (vLLM's LoRA cache), or the worker's
+        # GPU for a colocated engine (on_gpu), where vLLM's slots copy it from device memory.
+        device=str(next(iter(tensors.values())).device) if tensors else "cpu",
         dtype=manager.lora_config.lora_dtype,
         model_vocab_size=manager.vocab_size,
         weights_mapper=mapper,
-        skip_prefixes=getattr(model, "lora_skip_prefixes", None),
+        skip_prefixes=skip_prefixes,
     )
-    lora.is_3d_lora_weight = False
-    adapter_manager._validate_moe_lora_format(lora)
-    adapter_manager._validate_modules_to_save(lora)
-    adapter_manager._validate_token_classification_lora(lora)
+    # As vLLM's loader does: the request says whether the factors are PEFT's fused 3-D layout.
+    lora.is_3d_lora_weight = bool(getattr(lora_request, "is_3d_lora_weight", False))
+    _lora_compat.validate(rules, adapter_manager, lora)
     return lora
+
+
+# -- vLLM 0.32's own checks of a checkpoint's module names, for tensors instead of a directory -------
+
+
+def _expected_modules(adapter_manager: Any) -> set[str]:
+    """The module names vLLM's ``WorkerLoRAManager._load_adapter`` expects: every supported module,
+    a packed one as its parts, and ``experts`` itself besides its per-expert parts
+    (``experts.0.gate_proj`` ... from the model's expert mapping)."""
+    expected: set[str] = set()
+    packed = adapter_manager.packed_modules_mapping
+    for module in adapter_manager.supported_lora_modules:
+        expected.update(packed.get(module, [module]))
+        if module == "experts":
+            expected.add(module)
+    return expected
+
+
+def _unexpected_modules(tensors: dict[str, torch.Tensor], expected: set[str], mapper: Any, skip_prefixes: Any, peft_helper: Any) -> list[str]:
+    """The modules vLLM's ``LoRAModel.from_local_checkpoint`` refuses (its ``check_unexpected_modules``):
+    base embeddings, PEFT's fused ``base_layer`` factors and skipped prefixes pass; an expert
+    module is checked by its name from ``experts`` on (``experts.3.gate_proj``), any other by its
+    last segment (or as a ``modules_to_save`` entry)."""
+    from lorasync.engines.vllm._surface import resolve  # vLLM's names, wherever this release keeps them
+
+    LoRAModel = resolve("LoRAModel")  # noqa: N806 - vLLM's class
+    is_base_embedding_weights = resolve("is_base_embedding_weights")
+    parse_fine_tuned_lora_name = resolve("parse_fine_tuned_lora_name")
+
+    unexpected = []
+    for key in tensors:
+        if is_base_embedding_weights(key) or "base_layer" in key:
+            continue
+        if skip_prefixes and LoRAModel._should_skip_module(key, skip_prefixes):
+            continue
+        module_name, _ = parse_fine_tuned_lora_name(key, mapper)
+        if ".experts" in module_name:
+            if module_name[module_name.find(".experts") + 1 :] not in expected:
+                unexpected.append(module_name)
+        elif module_name.rsplit(".", 1)[-1] not in expected and module_name.rsplit(".", 1)[-1] not in (peft_helper.modules_to_save or ()):
+            unexpected.append(module_name)
+    return unexpected
+
+
+def _local_experts(tensors: dict[str, torch.Tensor], spec: Any) -> dict[str, torch.Tensor]:
+    """``tensors`` without the experts of other expert-parallel ranks, as vLLM's disk loader skips
+    them (``moe_ep_spec``); all of them without expert parallelism."""
+    if spec is None:
+        return tensors
+    from lorasync.engines.vllm._surface import resolve
+
+    _is_remote_expert_key = resolve("_is_remote_expert_key")
+    return {k: v for k, v in tensors.items() if not _is_remote_expert_key(k, spec)}

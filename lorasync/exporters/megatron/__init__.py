@@ -25,6 +25,7 @@ supported and refused, each line with the test that backs it.
 Layout of this package (each module imports only the ones above it in this list):
 
 - ``_names``: the rule table, name parsing and its inverse;
+- ``_inputs``: shard keys, the parallel grid and option values, checked at the public entry;
 - ``_layout``: the base model's geometry, layer offsets, fused-tensor splits;
 - ``_plan``: the export plan from shard metadata (every value-free check);
 - ``_convert``: gathered factors → PEFT tensors and the Adapter;
@@ -34,6 +35,6 @@ Layout of this package (each module imports only the ones above it in this list)
 from lorasync.exporters.megatron._dist import export_distributed
 from lorasync.exporters.megatron._export import export
 from lorasync.exporters.megatron._names import RULES, MegatronRef, megatron_name
-from lorasync.exporters.megatron._plan import ShardKey
+from lorasync.exporters.megatron._inputs import ShardKey
 
 __all__ = ["RULES", "MegatronRef", "ShardKey", "export", "export_distributed", "megatron_name"]

@@ -23,7 +23,8 @@ from lorasync.errors import ConfigError, ExportError, LoraSyncError
 from lorasync.exporters.megatron._convert import Pair, build_adapter, convert_module
 from lorasync.exporters.megatron._layout import Geometry
 from lorasync.exporters.megatron._names import is_adapter_name
-from lorasync.exporters.megatron._plan import FactorPlan, Grid, ShardKey, build_plan
+from lorasync.exporters.megatron._inputs import Grid, ShardKey, check_options, count
+from lorasync.exporters.megatron._plan import FactorPlan, build_plan
 
 __all__ = ["export_distributed"]
 
@@ -64,13 +65,16 @@ def export_distributed(
         `Adapter` on ``dst``, `None` on every other rank.
 
     Raises:
-        ConfigError: torch.distributed is not initialised or the groups do not form a grid.
+        ConfigError: torch.distributed is not initialised, the groups do not form a grid, or an
+            option value is malformed (checked before any collective, as in ``export``).
         ExportError: a collective failed (translated from torch.distributed).
         MissingShardError, GeometryError, UnknownModuleError, PaddedRankError: as in ``export``;
             raised on every rank, except PaddedRankError, which only ``dst`` can see.
     """
     import torch.distributed as dist
 
+    rank, alpha, slot = check_options(rank=rank, alpha=alpha, slot=slot, lora_type=lora_type, dtype=dtype)
+    count("dst", dst, minimum=0, what="the global rank that receives the Adapter")
     if not (dist.is_available() and dist.is_initialized()):
         raise ConfigError("export_distributed needs an initialised torch.distributed process group")
     chunks = [local_state_dict] if isinstance(local_state_dict, Mapping) else list(local_state_dict)

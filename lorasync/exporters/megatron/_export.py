@@ -13,7 +13,8 @@ from lorasync.errors import ConfigError, ExportError
 from lorasync.exporters.megatron._convert import build_adapter, convert_module
 from lorasync.exporters.megatron._layout import Geometry
 from lorasync.exporters.megatron._names import is_adapter_name
-from lorasync.exporters.megatron._plan import FactorPlan, Grid, ShardKey, ShardMeta, build_plan
+from lorasync.exporters.megatron._inputs import Grid, ShardKey, check_options
+from lorasync.exporters.megatron._plan import FactorPlan, ShardMeta, build_plan
 
 __all__ = ["export"]
 
@@ -50,8 +51,11 @@ def export(
         slot (`int`, *optional*): MultiLoRA slot to export (``...adapters.{slot}.linear_*``).
         layer_offsets (*optional*): first global layer of each PP stage, as a sequence indexed by
             PP rank or a mapping from ``pp`` / ``(pp, vp)``; defaults to Megatron's even split.
+            They must start at 0 and never decrease in pipeline order (chunk ``vp`` of PP ranks
+            0, 1, ... before chunk ``vp + 1``); each stage holds the layers up to the next one's.
         tp_size, pp_size, ep_size (`int`, *optional*): the run's sizes, to detect missing
-            trailing ranks; inferred from the keys otherwise.
+            trailing ranks; inferred from the keys otherwise. Checked against the shards given
+            before anything is allocated.
         dtype (`torch.dtype`, *optional*): cast the exported tensors.
         base_model_name_or_path (`str`, *optional*): recorded in ``adapter_config.json``.
 
@@ -60,24 +64,32 @@ def export(
 
     Raises:
         MissingShardError: a rank, a tensor on a rank, or one factor of an adapter is missing.
-        GeometryError: shapes, TP size, head counts or layer numbering do not fit the base model.
+        GeometryError: shapes, TP size, head counts or layer numbering do not fit the base model;
+            ``layer_offsets`` out of pipeline order, not starting at 0, or a stage's layers
+            running past the next stage's first layer.
         UnknownModuleError: an adapter on a module no rule translates.
         PaddedRankError: padding beyond ``rank`` holds trained values.
         InexactExportError: DoRA magnitudes, or expert linear_fc2 adapters at expert-TP > 1
             (state that no PEFT LoRA adapter reproduces; refused, never approximated).
-        ConfigError, UnknownAdapterNameError: bad options, absent slot or no adapter at all.
+        ConfigError: a bool, NaN/inf, non-positive or non-integral value where a size, rank,
+            slot or alpha belongs; a ``dtype`` that is not a float torch dtype; malformed keys.
+        UnknownAdapterNameError: absent slot or no adapter at all.
 
     Example:
         >>> adapter = export({(0, 0): sd_tp0, (0, 1): sd_tp1}, base_config="base/", alpha=32, rank=16)
         >>> adapter.save("out/")
     """
-    if rank is not None and (not isinstance(rank, int) or rank <= 0):
-        raise ConfigError(f"rank must be a positive int, got {rank!r}")
+    sizes = {"tp_size": tp_size, "pp_size": pp_size, "ep_size": ep_size}
+    rank, alpha, slot = check_options(rank=rank, alpha=alpha, slot=slot, lora_type=lora_type, dtype=dtype, sizes=sizes)
+    if not isinstance(shards, Mapping):
+        raise ConfigError(f"shards must be a mapping (pp, tp[, ep[, vp]]) -> state dict, got {type(shards).__name__}")
     keyed: dict[ShardKey, Mapping[str, torch.Tensor]] = {}
     for key, state in shards.items():
         shard_key = ShardKey.of(key)
         if shard_key in keyed:
             raise ConfigError(f"shard {shard_key} is given twice (as {key!r}); pass each rank once")
+        if not isinstance(state, Mapping):
+            raise ConfigError(f"shard {shard_key} is a {type(state).__name__}; pass that rank's state dict (name -> tensor)")
         keyed[shard_key] = state
     grid = Grid.of_keys(keyed, tp_size=tp_size, pp_size=pp_size, ep_size=ep_size)
     geometry = Geometry.from_config(base_config)
@@ -99,6 +111,8 @@ def _meta(key: ShardKey, state: Mapping[str, Any]) -> ShardMeta:
             continue
         if not isinstance(value, torch.Tensor):
             raise ExportError(f"shard {key}: {name!r} is a {type(value).__name__}, not a tensor")
+        if value.is_meta:  # a model built on the meta device holds shapes but no values
+            raise ExportError(f"shard {key}: {name!r} is a meta tensor (no data); pass the materialised state dict")
         out[name] = (tuple(value.shape), value.dtype)
     return out
 

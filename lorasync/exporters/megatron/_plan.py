@@ -9,7 +9,7 @@ against the base model's geometry.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -23,105 +23,14 @@ from lorasync.errors import (
     UnknownAdapterNameError,
     UnknownModuleError,
 )
-from lorasync.exporters.megatron._layout import Geometry, factor_dims, stage_offsets
+from lorasync.exporters.megatron._inputs import LORA_TYPES, Grid, ShardKey
+from lorasync.exporters.megatron._layout import Geometry, factor_dims, stage_bounds
 from lorasync.exporters.megatron._names import MOE_MODEL_TYPES, RULES, ModuleRule, Side, hf_modules, parse_name
 
 __all__ = ["LORA_TYPES", "FactorPlan", "Grid", "ModulePlan", "ShardKey", "build_plan"]
 
-LORA_TYPES = ("lora", "canonical_lora")
 EpMode = Literal["replicated", "own", "cat"]
 ShardMeta = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
-
-
-@dataclass(frozen=True, order=True)
-class ShardKey:
-    """Coordinates of one rank's shard: pipeline, tensor, expert and virtual-pipeline rank.
-
-    Plain tuples are accepted wherever a key is: ``(pp, tp)``, ``(pp, tp, ep)`` or
-    ``(pp, tp, ep, vp)``.
-    """
-
-    pp: int = 0
-    tp: int = 0
-    ep: int = 0
-    vp: int = 0
-
-    @classmethod
-    def of(cls, key: ShardKey | Sequence[int]) -> ShardKey:
-        """Normalise a ``ShardKey`` or a 2-, 3- or 4-tuple.
-
-        Raises:
-            ConfigError: any other form, or negative ranks.
-        """
-        if isinstance(key, ShardKey):
-            out = key
-        elif isinstance(key, tuple) and 2 <= len(key) <= 4 and all(isinstance(k, int) for k in key):
-            out = cls(*key)
-        else:
-            raise ConfigError(
-                f"shard key {key!r} must be a ShardKey or a tuple (pp, tp), (pp, tp, ep) or (pp, tp, ep, vp) of ints"
-            )
-        if min(out.pp, out.tp, out.ep, out.vp) < 0:
-            raise ConfigError(f"shard key {key!r} has a negative rank")
-        return out
-
-
-ShardKey.__module__ = "lorasync.exporters.megatron"
-
-
-@dataclass(frozen=True)
-class Grid:
-    """Parallel sizes of the run that wrote the shards."""
-
-    pp: int = 1
-    tp: int = 1
-    ep: int = 1
-    vp: int = 1
-
-    def keys(self) -> list[ShardKey]:
-        return [
-            ShardKey(p, t, e, v)
-            for p in range(self.pp)
-            for t in range(self.tp)
-            for e in range(self.ep)
-            for v in range(self.vp)
-        ]
-
-    @classmethod
-    def of_keys(
-        cls,
-        keys: Iterable[ShardKey],
-        *,
-        tp_size: int | None = None,
-        pp_size: int | None = None,
-        ep_size: int | None = None,
-    ) -> Grid:
-        """The grid spanned by ``keys`` (explicit sizes win), checked for completeness.
-
-        Raises:
-            MissingShardError: a key of the grid is absent (names up to 8 of them).
-            ConfigError: a key lies outside an explicit size.
-        """
-        present = set(keys)
-        if not present:
-            raise MissingShardError("no shards given; pass every rank's adapter state dict")
-        grid = cls(
-            pp=pp_size or 1 + max(k.pp for k in present),
-            tp=tp_size or 1 + max(k.tp for k in present),
-            ep=ep_size or 1 + max(k.ep for k in present),
-            vp=1 + max(k.vp for k in present),
-        )
-        expected = set(grid.keys())
-        outside = sorted(present - expected)
-        if outside:
-            raise ConfigError(f"shards {outside[:8]} lie outside the grid {grid}; check tp_size/pp_size/ep_size")
-        missing = sorted(expected - present)
-        if missing:
-            raise MissingShardError(
-                f"{len(missing)} shard(s) missing for {grid}: {missing[:8]}; pass every rank's state dict",
-                missing=missing,
-            )
-        return grid
 
 
 @dataclass(frozen=True)
@@ -179,7 +88,7 @@ def build_plan(
         geometry: the base model's sizes.
         lora_type: ``"lora"`` (fused qkv/fc1) or ``"canonical_lora"`` (q/k/v, gate/up split).
         slot: the MultiLoRA slot to export (``adapters.{slot}`` names); None for ``adapter``.
-        layer_offsets: see :func:`stage_offsets`.
+        layer_offsets: see :func:`~lorasync.exporters.megatron._layout.stage_offsets`.
 
     Raises:
         ConfigError, UnknownAdapterNameError, UnknownModuleError, MissingShardError, GeometryError.
@@ -187,8 +96,8 @@ def build_plan(
     """
     if lora_type not in LORA_TYPES:
         raise ConfigError(f"lora_type must be one of {LORA_TYPES}, got {lora_type!r}")
-    offsets = stage_offsets(geometry.layers, grid.pp, grid.vp, layer_offsets)
-    entries = _collect(meta, grid, geometry, offsets, lora_type=lora_type, slot=slot)
+    bounds = stage_bounds(geometry.layers, grid.pp, grid.vp, layer_offsets)
+    entries = _collect(meta, grid, geometry, bounds, lora_type=lora_type, slot=slot)
     factors = {k: _factor(k, e, grid) for k, e in entries.items()}
     order = {rule.megatron: i for i, rule in enumerate(RULES)}
     keys = sorted(
@@ -216,7 +125,7 @@ def _collect(
     meta: Mapping[ShardKey, ShardMeta],
     grid: Grid,
     geometry: Geometry,
-    offsets: Mapping[tuple[int, int], int],
+    bounds: Mapping[tuple[int, int], range],
     *,
     lora_type: str,
     slot: int | None,
@@ -233,12 +142,15 @@ def _collect(
             if parsed.slot != slot:
                 continue
             _check_name(name, parsed.rule, parsed.sub, geometry, lora_type)
-            layer = offsets[(key.pp, key.vp)] + parsed.layer
-            if layer >= geometry.layers:
+            stage = bounds[(key.pp, key.vp)]
+            if parsed.layer >= len(stage):  # the stages' layer ranges are disjoint: no overlap either
                 raise GeometryError(
-                    f"{name!r} in shard {_shard_label((key.pp, key.tp, key.ep, key.vp))} maps to global layer "
-                    f"{layer}, but the base model has {geometry.layers}; check layer_offsets and the PP size"
+                    f"{name!r} in shard {_shard_label((key.pp, key.tp, key.ep, key.vp))} is local layer "
+                    f"{parsed.layer} of a stage that holds global layers {_span(stage)} of the base model's "
+                    f"{geometry.layers}, so it maps to global layer {stage.start + parsed.layer}, outside; "
+                    "check layer_offsets (each stage's first global layer, in pipeline order) and the PP size"
                 )
+            layer = stage[parsed.layer]
             expert = None
             if parsed.rule.experts == "sequential":
                 expert = _global_expert(parsed.local_expert, key.ep, grid, geometry, name)
@@ -246,11 +158,6 @@ def _collect(
                 (layer, parsed.rule.megatron, expert, parsed.sub, parsed.side),
                 {"rule": parsed.rule, "stage": (key.pp, key.vp), "names": {}, "meta": {}},
             )
-            if entry["stage"] != (key.pp, key.vp):
-                raise GeometryError(
-                    f"global layer {layer} is held by pipeline stages (pp, vp)={entry['stage']} and "
-                    f"{(key.pp, key.vp)}; the layer offsets overlap, pass layer_offsets= for uneven stages"
-                )
             coord = (key.tp, key.ep)
             if coord in entry["names"]:
                 raise ConfigError(f"shard {key} holds {name!r} twice (as {entry['names'][coord]!r}); remove one")
@@ -285,6 +192,10 @@ def _check_name(name: str, rule: ModuleRule, sub: str | None, geometry: Geometry
             "and router adapters or extend lorasync.exporters.megatron._names",
             key=name,
         )
+
+
+def _span(stage: range) -> str:
+    return f"{stage.start}..{stage.stop - 1}" if stage else f"none (it starts at {stage.start} and is empty)"
 
 
 def _label(layer: int, rule: ModuleRule, expert: int | None, sub: str | None) -> str:

@@ -220,6 +220,11 @@ def _compare_forward(adapter: Any, ckpt: Path, logits: Any, out: Path) -> dict[s
         base_logits = base(ids).logits
         peft_logits = PeftModel.from_pretrained(base, str(out)).eval()(ids).logits
     mine = logits.reshape(peft_logits.shape).float()
+    # Megatron's own logits, kept beside the adapter for checks made outside this venv
+    # (tests/megatron/test_moe_bridge_peer_cross_check.py).
+    from safetensors.torch import save_file
+
+    save_file({"logits": mine.contiguous(), "ids": ids}, str(out.parent / f"{out.name}.megatron-logits.safetensors"))
     return {
         "forward_max_diff": float((mine - peft_logits).abs().max()),
         "adapter_effect": float((mine - base_logits).abs().max()),

@@ -1,0 +1,124 @@
+"""One :class:`~lorasync.Fleet` round: hash every adapter passed, plan the shared slots, publish
+the tenants that changed and restore what engines lost.
+
+Without an adapter limit on any engine there is nothing to plan across tenants, so a changed
+tenant's publish starts as soon as its hash is known while the others are still hashed (in
+threads, :mod:`lorasync._fleet_hash`), and that hashing waits while the publish writes its
+version: what overlaps is the engine's load. With a limit, every hash is known before the plan
+(it needs every stepping tenant), and the publishes start after it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from lorasync._adapter import Adapter
+from lorasync._fleet_hash import Gate, HashJob, scan
+from lorasync._fleet_plan import FleetReport, TenantReport
+from lorasync._names import validate_version
+from lorasync._probe import Probe
+from lorasync._publish import AdapterLike
+from lorasync._tenant import files_only, list_all, restore, step
+from lorasync.errors import LoraSyncError, StaleVersionError
+
+if TYPE_CHECKING:
+    from lorasync._fleet import Fleet
+
+__all__ = ["by_files", "limited", "publish_round", "run_round"]
+
+
+async def publish_round(fleet: Fleet, report: FleetReport, adapters: Mapping[str, AdapterLike], versions: Mapping[str, int], probes: Mapping[str, Probe]) -> None:
+    """Hash every adapter passed (in threads); publish the changed ones, restore what engines lost.
+
+    Without an adapter limit on any engine there is nothing to plan across tenants, so a
+    changed tenant's publish starts as soon as its hash is known, while the others are still
+    hashed. With one, every hash is known first: the plan needs every stepping tenant."""
+    early = not await limited(fleet)
+    copy = not await by_files(fleet)
+    stepping: dict[str, tuple[Adapter, int, bool]] = {}
+    started: list[asyncio.Future[None]] = []
+    unexpected: list[BaseException] = []
+    gate = Gate() if early else None
+
+    def changed(name: str, adapter: Adapter | None, digest: str | None, error: BaseException | None) -> None:
+        tenant = fleet.tenants[name]
+        try:
+            if error is not None:
+                raise error
+            version = validate_version(versions[name])
+            if tenant.version is not None and version <= tenant.version:
+                raise StaleVersionError(f"{name} v{version} would replace v{tenant.version} with other content; versions must increase. Nothing was sent.", adapter=name, version=version, newest=tenant.version)
+        except BaseException as exc:  # noqa: BLE001 - raised by the round once its publishes ended
+            if gate is not None and adapter is not None:
+                gate.release()  # the worker held it for this tenant, which publishes nothing
+            if not isinstance(exc, LoraSyncError):
+                unexpected.append(exc)
+                return
+            report.tenants[name] = TenantReport(name, tenant.registration, "failed", tenant.version, tenant.served_name, error=exc)  # this tenant alone
+            return
+        assert adapter is not None
+        stepping[name] = (adapter, version, copy)
+        if early:
+            started.append(asyncio.ensure_future(step(tenant, report, adapter, version, probes.get(name), owned=copy, gate=gate)))
+
+    jobs = [HashJob(name, adapter, fleet.tenants[name].content_hash, copy) for name, adapter in adapters.items()]
+    try:
+        same = await scan(jobs, changed, gate=gate)
+        # The tenants settled by their hash come first, in the caller's order, as in a round
+        # that hashed one tenant after the other (raise_for_errors raises the first failure).
+        settled = {}
+        for name in adapters:
+            tenant = fleet.tenants[name]
+            if name in same:
+                settled[name] = TenantReport(name, tenant.registration, "unchanged", tenant.version, tenant.served_name)
+            elif name not in stepping and name in report.tenants:
+                settled[name] = report.tenants[name]
+        report.tenants = settled | {n: t for n, t in report.tenants.items() if n not in settled}
+        await run_round(fleet, report, {} if early else stepping, probes, started=started, skip=stepping)
+    except BaseException:
+        for task in started:
+            task.cancel()
+        await asyncio.gather(*started, return_exceptions=True)
+        raise
+    finally:
+        if gate is not None:
+            gate.open()
+    if unexpected:
+        raise unexpected[0]
+
+
+async def run_round(fleet: Fleet, report: FleetReport, stepping: Mapping[str, tuple[Adapter, int, bool]], probes: Mapping[str, Probe], *, started: Sequence[asyncio.Future[None]] = (), skip: Iterable[str] = ()) -> None:
+    """Plan for ``stepping`` and publish it; restore the tenants, not stepping nor in
+    ``skip``, that an engine lost; wait for ``started`` publishes too."""
+    listings = await list_all(fleet.engines)
+    skip = set(skip) | set(stepping)
+    lost = {
+        name for name, t in fleet.tenants.items()
+        if name not in skip and t.version is not None and not t.retiring and any(ls is not None and t.served_name not in ls for ls in listings)
+    }
+    report.unloaded = await fleet._plan(listings, {n: v for n, (_, v, _) in stepping.items()})
+    jobs = [step(fleet.tenants[n], report, adapter, v, probes.get(n), owned=owned) for n, (adapter, v, owned) in stepping.items()]
+    jobs += [restore(fleet.tenants[n], report) for n in sorted(lost)]
+    await asyncio.gather(*started, *jobs)
+
+
+async def limited(fleet: Fleet) -> bool:
+    """Whether an engine has an adapter limit (or cannot say): then a round plans first."""
+    for engine in fleet.engines:
+        try:
+            if (await fleet._caps_of(engine)).max_loras is not None:
+                return True
+        except LoraSyncError:
+            return True
+    return False
+
+async def by_files(fleet: Fleet) -> bool:
+    """Whether every engine loads versions from the store's files (then those files, not an
+    owned copy in memory, are what a restore loads)."""
+    try:
+        caps = [await fleet._caps_of(e) for e in fleet.engines]
+    except LoraSyncError:
+        return False
+    return bool(fleet.tenants) and files_only(next(iter(fleet.tenants.values())).publisher, caps)

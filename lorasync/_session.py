@@ -1,0 +1,312 @@
+"""The publisher's life around its publishes: pins and leases, ``collect``, ``close`` and the
+context managers, sync and async, each behind the one guard of :mod:`lorasync._lifecycle`
+(design invariant 10: no call hangs). :class:`~lorasync.Publisher` inherits it; its constructor
+makes the parts this class uses (listed below as annotations).
+
+* Pins never wait: a pin is a counter under a lock held for the update only, so ``apin`` and
+  ``alease`` are safe next to a running ``apublish`` on the same loop.
+* ``close`` is idempotent. It refuses new calls, fails the calls waiting for the publisher's lock
+  at once (``PublisherClosedError``), lets the call in flight finish, retires what has drained
+  (bounded), then closes connections and stops the loop thread.
+* In a forked child, ``close``/``aclose`` let go of the parent's copy without touching anything
+  the parent still uses (loop, sockets, store); every other call is a ``PublisherClosedError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+from lorasync._aftercare import Aftercare
+from lorasync._lifecycle import Lifecycle, async_entry
+from lorasync._loop import LoopLock, LoopThread, held
+from lorasync._names import parse_served_name, served_name, validate_version
+from lorasync.engines._engine import Engine
+from lorasync.errors import ConfigError, LoraSyncError
+from lorasync.transports._store import DiskStore
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+__all__ = ["PublisherLife", "aclose_all", "refuse_duplicates"]
+
+_SERVED_AS_KEPT = 4096  # "unchanged" versions remembered for lease(); one small entry each
+
+
+class PublisherLife:
+    """The lifecycle half of :class:`~lorasync.Publisher` (see the module docstring)."""
+
+    name: str
+    engines: list[Engine]
+    store: DiskStore
+    _pins: dict[int, int]
+    _pins_guard: threading.Lock
+    _lock: LoopLock
+    _loop: LoopThread
+    _life: Lifecycle
+    _care: Aftercare
+
+    def _start_life(self) -> None:
+        """Make the parts this class uses (called by the publisher's constructor)."""
+        self._pins = {}
+        self._served_as: dict[int, int] = {}  # version -> the earlier version whose name serves its content
+        self._on_served: Callable[[int, str, str], None] | None = None  # a Fleet's tenant: see _note_served
+        self._pins_guard = threading.Lock()  # held for a dict update only, never across an await
+        self._lock = LoopLock()
+        self._loop = LoopThread()
+        self._life = Lifecycle(own_loops=self._own_loops, on_fork=self._forget_after_fork)
+
+    def _sync_guard(self, call: str, twin: str) -> None:
+        """The guard ``report.settled()`` passes (it may run after ``close``)."""
+        self._life.check_sync(call, twin, must_be_open=False)
+
+    def pin(self, version: int) -> None:
+        """Never retire ``version`` (on any engine) until :meth:`unpin`; pins nest.
+
+        Raises:
+            BlockingCallError: in async code that runs this publisher (use :meth:`apin`).
+            PublisherClosedError: the publisher was closed.
+        """
+        self._life.check_sync("pin()", "await pub.apin(version)")
+        self._add_pin(validate_version(version))
+
+    def unpin(self, version: int) -> None:
+        """Undo one :meth:`pin`; the version retires on the next publish once it is outside the
+        window. After ``close`` it does nothing."""
+        self._life.check_sync("unpin()", "await pub.aunpin(version)", must_be_open=False)
+        self._drop_pin(validate_version(version))
+
+    async def apin(self, version: int) -> None:
+        """Async twin of :meth:`pin` (it never waits: pins take effect at once)."""
+        self._life.check_open("pub.apin()")
+        self._add_pin(validate_version(version))
+
+    async def aunpin(self, version: int) -> None:
+        """Async twin of :meth:`unpin`."""
+        self._drop_pin(validate_version(version))
+
+    @contextlib.contextmanager
+    def lease(self, version: int) -> Iterator[str]:
+        """Pin ``version`` for the ``with`` block (rollouts that run on it); yields the name that
+        serves it, as its report's ``served_name`` says: an earlier version's name where the
+        publish of ``version`` was "unchanged" (that version is pinned then), the plain name in
+        place.
+
+        Example:
+            >>> with pub.lease(step) as model:  # doctest: +SKIP
+            ...     rollouts = sample(model=model)
+        """
+        self._life.check_sync("lease()", "async with pub.alease(version)")
+        held = self._serving(validate_version(version))
+        self._add_pin(held)
+        try:
+            yield self._name_of(held)
+        finally:
+            self._drop_pin(held)
+
+    @contextlib.asynccontextmanager
+    async def alease(self, version: int) -> AsyncIterator[str]:
+        """Async twin of :meth:`lease`: ``async with pub.alease(step) as model: ...``."""
+        self._life.check_open("pub.alease()")
+        held = self._serving(validate_version(version))
+        self._add_pin(held)
+        try:
+            yield self._name_of(held)
+        finally:
+            self._drop_pin(held)
+
+    def _note_served(self, version: int, served: str, content_hash: str) -> None:
+        """Remember which version's name serves what ``version`` published (bounded)."""
+        parsed = parse_served_name(served)
+        with self._pins_guard:
+            if parsed is not None and parsed[0] == self.name and parsed[1] != version:
+                self._served_as[version] = parsed[1]
+                while len(self._served_as) > _SERVED_AS_KEPT:
+                    del self._served_as[next(iter(self._served_as))]
+            else:
+                self._served_as.pop(version, None)
+        if self._on_served is not None:  # before the previous version retires (a Fleet's Tenant.version)
+            self._on_served(version, served, content_hash)
+
+    def _serving(self, version: int) -> int:
+        with self._pins_guard:
+            return self._served_as.get(version, version)
+
+    def _name_of(self, version: int) -> str:
+        return self.name if getattr(self, "in_place", False) else served_name(self.name, version)
+
+    def _add_pin(self, version: int) -> None:
+        with self._pins_guard:
+            self._pins[version] = self._pins.get(version, 0) + 1
+
+    def _drop_pin(self, version: int) -> None:
+        with self._pins_guard:
+            left = self._pins.get(version, 0) - 1
+            if left > 0:
+                self._pins[version] = left
+            else:
+                self._pins.pop(version, None)
+
+    @property
+    def pinned(self) -> frozenset[int]:
+        with self._pins_guard:
+            return frozenset(self._pins)
+
+    def collect(self) -> dict[str, list[str]]:
+        """Retire what has drained since the last publish (and collect its files) now.
+
+        Returns:
+            ``{"retired": [...], "deferred": [...]}`` over all engines.
+        """
+        self._life.check_sync("collect()", "await pub.acollect()")
+        return self._loop.run(self.acollect())
+
+    @async_entry("pub.acollect()")
+    async def acollect(self, *, closing: bool = False) -> dict[str, list[str]]:
+        """Async twin of :meth:`collect`."""
+        async with held(self._lock):
+            finished = await self._care.previous_settled()
+            return await self._care.retire_all(closing=closing, resync=not finished)
+
+    def close(self) -> None:
+        """Retire what has drained, close the engines' connections and stop the publisher's
+        event loop. Versions still in use stay loaded, with their files.
+
+        Idempotent. Calls waiting for the publisher's lock get ``PublisherClosedError`` at once;
+        the call in flight finishes; later calls get ``PublisherClosedError``. In a forked child
+        it only lets go of the parent's copy (nothing shared is touched).
+
+        Raises:
+            BlockingCallError: in async code that runs this publisher (use :meth:`aclose` or
+                ``async with Publisher(...)``).
+        """
+        if self._life.forked:
+            self._life.let_go_in_child()
+            return
+        if self._life.open:
+            self._life.check_sync("close()", "await pub.aclose()` (or `async with Publisher(...)`")
+        if not self._life.begin_close():
+            return
+        try:
+            self._lock.refuse(lambda: self._life.closed_error("a call waiting for the publisher"))
+            if self._loop.running or self._care.background.pending:
+                with contextlib.suppress(LoraSyncError):
+                    self._loop.run(self._close_out())
+        finally:
+            self._shutdown()
+            for engine in self.engines:
+                engine.close()
+            self._life.closed()
+
+    async def aclose(self) -> None:
+        """Async twin of :meth:`close`, for publishers driven with :meth:`apublish`."""
+        if self._life.forked:
+            self._life.let_go_in_child()
+            return
+        if self._life.open:
+            with self._life.inside("pub.aclose()"):
+                pass  # refuses a close from inside the publisher's own call (it would wait for itself)
+        if not self._life.begin_close():
+            return
+        try:
+            self._lock.refuse(lambda: self._life.closed_error("a call waiting for the publisher"))
+            with contextlib.suppress(LoraSyncError):
+                await self._close_out()
+        finally:
+            await aclose_all(self.engines)
+            if self._loop.running:
+                with contextlib.suppress(LoraSyncError):
+                    await self._loop.arun(aclose_all(self.engines))  # async clients opened on its loop
+            await asyncio.to_thread(self._loop.stop)
+            self.store.close()
+            self._life.closed()
+
+    async def _close_out(self) -> None:
+        async with held(self._lock, closer=True):
+            await self._care.close_out()
+
+    def _release(self) -> None:
+        """Let go of the loop thread and the store, not of the engines (the function API's
+        throwaway publisher: the caller's engine objects stay open)."""
+        if self._life.forked:
+            self._life.let_go_in_child()
+            return
+        if not self._life.begin_close():
+            return
+        self._lock.refuse(lambda: self._life.closed_error("a call waiting for the publisher"))
+        self._shutdown()
+        self._life.closed()
+
+    def _shutdown(self) -> None:
+        # Async clients opened on the publisher's loop are closed on it before it stops.
+        if self._loop.running:
+            with contextlib.suppress(LoraSyncError):
+                self._loop.run(aclose_all(self.engines))
+        self._loop.stop()
+        self.store.close()
+
+    def _own_loops(self) -> list[asyncio.AbstractEventLoop | None]:
+        return [self._loop.loop, *(engine.home_loop() for engine in self.engines)]
+
+    def _forget_after_fork(self) -> None:
+        # In the child: another parent thread may have held any of these at the fork.
+        self._pins_guard = threading.Lock()
+        self._loop.forget_after_fork()
+        care = getattr(self, "_care", None)  # None: forked while the constructor ran
+        if care is not None:
+            care.background.forget_after_fork()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.aclose()
+
+
+async def aclose_all(engines: Iterable[Engine]) -> None:
+    """Close every engine's async connections on the running loop."""
+    for engine in engines:
+        await engine.aclose()
+
+
+def refuse_duplicates(engines: list[Engine]) -> None:
+    """One publisher drives each engine once: the same object, or one server listed twice
+    (whatever the spelling of its URL), would race itself on every publish.
+
+    Raises:
+        ConfigError: naming the engine listed twice.
+    """
+    seen: dict[object, Engine] = {}
+    for engine in engines:
+        key = _engine_key(engine)
+        if key in seen:
+            first = seen[key]
+            what = "the same engine object" if first is engine else f"{engine!r} and {first!r} (one server)"
+            raise ConfigError(
+                f"{what} is listed more than once: a publisher drives each engine once, and a second "
+                "copy would race the first on every publish. List it once."
+            )
+        seen[key] = engine
+
+
+def _engine_key(engine: Engine) -> object:
+    url = engine.url or ""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        return ("object", id(engine))
+    if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
+        return ("object", id(engine))  # in-process engines: two objects are two engines
+    scheme = parts.scheme.lower()
+    return (scheme, parts.hostname.lower(), port or {"http": 80, "https": 443}[scheme], parts.path.rstrip("/"))

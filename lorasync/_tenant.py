@@ -1,0 +1,279 @@
+"""A fleet's tenant: one registration of a name (its handle, the :class:`~lorasync.Publisher`
+that does its work), and the parts of :class:`~lorasync.Fleet` that act on one tenant: draining it
+out of an engine on retirement, and what a restore loads (lorasync's own copy of the current
+version, never the trainer's tensors, design invariant 7): the version's files in the store where
+every engine loads files, else an owned copy in memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import warnings
+from collections.abc import Iterator, Sequence
+
+from lorasync._adapter import Adapter
+from lorasync._fleet_hash import Gate, content_hash
+from lorasync._fleet_plan import FleetReport, TenantReport
+from lorasync._names import served_name, validate_version
+from lorasync._probe import Probe
+from lorasync._publish import Publisher
+from lorasync._report import PublishReport
+from lorasync._retention import RetentionWarning
+from lorasync.engines._engine import Capabilities, Engine
+from lorasync.errors import ConfigError, LoraSyncError, PublisherClosedError
+from lorasync.transports._snapshot import OwnedAdapter, owned_copy
+
+__all__ = ["Tenant", "files_only", "from_files", "list_all", "release", "republish", "restore", "restore_copy", "step", "unload_drained", "where"]
+
+
+class Tenant:
+    """One registration of a name in a :class:`Fleet` (what :meth:`Fleet.register` returns).
+
+    Attributes:
+        name (`str`): the tenant's name; engines serve version N as ``name@vN``.
+        registration (`str`): unique per ``register`` call (the run of its files in the store).
+        version (`int | None`): the version it serves now (None before its first publish).
+        retired (`bool`): :meth:`Fleet.retire` ended this registration.
+    """
+
+    def __init__(self, name: str, publisher: Publisher) -> None:
+        self.name = name
+        self.registration = publisher.run
+        self.publisher = publisher
+        publisher._on_served = self._serves
+        self.version: int | None = None
+        self.content_hash: str | None = None
+        self.retired = False
+        self.retiring = False  # Fleet.retire runs: no new leases, running ones drain
+        # The current version, owned, when an engine takes tensors (restores load it); None when
+        # every engine loads files: the version's directory in the store is the owned copy then.
+        self._copy: OwnedAdapter | None = None
+        self._stepping: tuple[int, Adapter, bool] | None = None  # the round's publish in flight: version, adapter, owned
+
+    def _serves(self, version: int, served: str, digest: str) -> None:
+        """The publisher's word that every engine serves ``version`` now (content ``digest``),
+        given before it retires the previous one: rollouts that lease ``tenant.version`` from here
+        on get the new version, never one being retired. The version moves together with what a
+        restore loads and the hash: a round cancelled after this point (while the previous version
+        retires) must leave a tenant whose restores load that version's content, never the
+        previous one's under the new name."""
+        stepping = self._stepping
+        if served != served_name(self.name, version) or (self.version is not None and version <= self.version):
+            return
+        if stepping is None or stepping[0] != version:
+            return  # not the round's publish: the round sets the tenant itself
+        _, adapter, owned = stepping
+        # Not owned: the trainer's tensors, never kept; until step() decides (restore_copy), a
+        # restore reads the version's files, checked against the recorded hash.
+        self.version, self.content_hash = version, digest
+        self._copy = adapter if owned else None  # type: ignore[assignment]
+
+    @property
+    def served_name(self) -> str:
+        """``name@v<version>`` (empty before the first publish)."""
+        return served_name(self.name, self.version) if self.version is not None else ""
+
+    def _live(self, call: str) -> Publisher:
+        if self.retired or self.retiring:
+            raise PublisherClosedError(f"{call}: tenant {self.name!r} (registration {self.registration}) was retired{'' if self.retired else ' (it is retiring)'}; register the name again for a new one")
+        return self.publisher
+
+    def pin(self, version: int) -> None:
+        """Never retire ``version`` of this tenant until :meth:`unpin` (see ``Publisher.pin``)."""
+        self._live("pin()")._add_pin(validate_version(version))
+
+    def unpin(self, version: int) -> None:
+        """Undo one :meth:`pin`."""
+        self.publisher._drop_pin(validate_version(version))
+
+    @contextlib.contextmanager
+    def lease(self, version: int | None = None) -> Iterator[str]:
+        """Pin ``version`` for the ``with`` block; yields its served name.
+
+        Args:
+            version (`int`, *optional*): the version to pin; by default the current one, pinned
+                so that it cannot be on its way out: ``tenant.lease(tenant.version)`` reads the
+                version before it pins it, and a round between the two may already be retiring it.
+
+        Raises:
+            PublisherClosedError: the tenant is retired or retiring.
+            ConfigError: no version yet (the tenant was never published).
+        """
+        version = self._pin_current() if version is None else self._pinned(version)
+        try:
+            yield served_name(self.name, version)
+        finally:
+            self.unpin(version)
+
+    def _pinned(self, version: int) -> int:
+        self.pin(version)
+        return version
+
+    def _pin_current(self) -> int:
+        # The pin comes first, then the check: a round moves ``version`` before it retires the
+        # previous one (_serves), so a version still current after being pinned is not being
+        # retired, and its retirement will see the pin.
+        while True:
+            version = self.version
+            if version is None:
+                self._live("lease()")
+                raise ConfigError(f"tenant {self.name!r} has no version yet: lease one after its first publish")
+            self.pin(version)
+            if self.version == version:
+                return version
+            self.unpin(version)
+
+    def __repr__(self) -> str:
+        return f"Tenant({self.name!r}, registration={self.registration!r}, version={self.version}{', retired' if self.retired else ''})"
+
+
+async def unload_drained(tenant: Tenant, engine: Engine, *, since: float, force: bool) -> tuple[list[str], bool]:
+    """One pass of a retirement on ``engine``: unload the tenant's versions whose requests and
+    leases drained (all of them with ``force``, with a ``RetentionWarning``), as retention does.
+    An engine that cannot report requests gets the grace period from ``since`` (monotonic).
+
+    Returns:
+        The served names unloaded, and whether versions are left.
+    """
+    pub = tenant.publisher
+    handle, ledger = pub._handles[id(engine)], pub._ledgers[id(engine)]
+    ledger.synced = False
+    await handle.sync(ledger)
+    if not ledger.versions:
+        return [], False
+    busy = await handle.in_use()
+    leased = pub.pinned  # leases taken before the retirement began drain like requests
+    waiting = busy is None and not handle.drains and time.monotonic() - since < pub.retention.grace
+    free = [] if waiting else [v for v in ledger.versions if v not in leased and (busy is None or served_name(tenant.name, v) not in busy)]
+    if force and len(free) < len(ledger.versions):
+        free = list(ledger.versions)
+        warnings.warn(f"retiring {tenant.name}: {', '.join(served_name(tenant.name, v) for v in free)} on {where(engine)} unloaded although requests or leases still used them (timeout)", RetentionWarning, stacklevel=3)
+    gone = await handle.unload(ledger, free)
+    return gone, bool(ledger.versions)
+
+
+async def release(tenant: Tenant, engines: Sequence[Engine]) -> None:
+    """The end of a retirement: the registration's files (after the grace on engines that may
+    re-read them for a request they admitted), its run lock and loop. The engines stay open."""
+    pub = tenant.publisher
+    if any(pub._handles[id(e)].reloads for e in engines):
+        await asyncio.sleep(pub.retention.grace)
+    for version in await asyncio.to_thread(pub.store.versions, tenant.name):
+        with contextlib.suppress(LoraSyncError):
+            await asyncio.to_thread(pub.store.remove, tenant.name, version)
+    pub._release()
+    tenant.retired = True
+
+
+async def list_all(engines: Sequence[Engine]) -> list[list[str] | None]:
+    """What each engine serves now, listed once per round (None: it did not answer; its loads
+    then fail per tenant, in the reports)."""
+    got = await asyncio.gather(*(e.alist_adapters() for e in engines), return_exceptions=True)
+    for g in got:
+        if isinstance(g, BaseException) and not isinstance(g, LoraSyncError):
+            raise g
+    return [None if isinstance(g, LoraSyncError) else g for g in got]  # type: ignore[misc]
+
+
+def files_only(publisher: Publisher, caps: Sequence[Capabilities]) -> bool:
+    """Whether ``publisher`` hands every engine (by ``caps``) its versions as files, as
+    :func:`~lorasync._select.choose_transport` decides: then each version's directory in the
+    store is lorasync's own copy of it, and a round needs no copy in memory."""
+    disk, ipc = publisher._candidates["disk"], publisher._candidates["ipc"]
+    if publisher.transport == "disk":
+        return True
+    if publisher.transport != "auto" or disk is None:
+        return False
+    for c in caps:
+        takes_tensors = ipc is not None and ipc.unsupported(c) is None
+        if disk.unsupported(c) is not None or (c.in_process and takes_tensors):
+            return False
+    return True
+
+
+async def step(tenant: Tenant, report: FleetReport, adapter: Adapter, version: int, probe: Probe | None, *, owned: bool, gate: Gate | None = None) -> None:
+    """Publish a changed tenant's new version, into ``report``: an owned copy (``owned``), or the
+    trainer's adapter when every engine loads files, whose version directory is then what a
+    restore loads. ``gate`` (held for this tenant) is released once the publish hands the adapter
+    to the engines, or ends."""
+    once = [gate]
+
+    def staged() -> None:
+        if once[0] is not None:
+            once.pop().release()  # type: ignore[union-attr]
+            once.append(None)
+
+    tenant.publisher._on_staged = staged
+    tenant._stepping = (version, adapter, owned)  # what Tenant._serves moves the tenant to once served
+    try:
+        published = await tenant.publisher.apublish(adapter, version=version, verify=probe)
+    except LoraSyncError as exc:
+        report.tenants[tenant.name] = TenantReport(tenant.name, tenant.registration, "failed", tenant.version, tenant.served_name, error=exc)
+        return
+    finally:
+        tenant.publisher._on_staged = None
+        tenant._stepping = None
+        staged()
+    if any(r.ok for r in published.results):  # engines that failed get it on the next round (restore)
+        tenant.version, tenant.content_hash = version, published.content_hash
+        tenant._copy = adapter if owned else await restore_copy(adapter, published)  # type: ignore[assignment]
+    failed = next((r.error for r in published.results if not r.ok), None)
+    status = "loaded" if published.ok else "failed"
+    report.tenants[tenant.name] = TenantReport(tenant.name, tenant.registration, status, tenant.version, tenant.served_name, publish=published, error=failed)
+
+
+async def restore(tenant: Tenant, report: FleetReport) -> None:
+    """Load the tenant's current version again where an engine lost it, into ``report``: from
+    its owned copy, or from its files (:func:`from_files`)."""
+    published = await republish(tenant, report)
+    if published is None:
+        return
+    again = [f"{r.engine} at {r.url or '(in-process)'}" for r in published.results if r.status == "loaded"]
+    failed = next((r.error for r in published.results if not r.ok), None)
+    previous = report.tenants.get(tenant.name)
+    report.tenants[tenant.name] = TenantReport(
+        tenant.name, tenant.registration, "restored" if published.ok and (previous is None or previous.ok) else "failed", tenant.version, tenant.served_name,
+        publish=published, error=failed if failed is not None else (previous.error if previous else None), restored_on=again,
+    )
+
+
+async def republish(tenant: Tenant, report: FleetReport) -> PublishReport | None:
+    """Publish the tenant's current version again, at that version, from lorasync's own copy of
+    it (the owned snapshot, else its files: :func:`from_files`), never the trainer's tensors.
+    Engines that serve it already report it ``unchanged`` and move nothing. Returns the publish
+    report, or None when it failed outright (then ``report`` says so for the tenant)."""
+    assert tenant.version is not None
+    try:
+        source = tenant._copy if tenant._copy is not None else await asyncio.to_thread(from_files, tenant)
+        return await tenant.publisher.apublish(source, version=tenant.version)
+    except LoraSyncError as exc:
+        report.tenants[tenant.name] = TenantReport(tenant.name, tenant.registration, "failed", tenant.version, tenant.served_name, error=exc)
+        return None
+
+
+async def restore_copy(adapter: Adapter, published: PublishReport) -> OwnedAdapter | None:
+    """What a restore loads for a version published from the trainer's own tensors: None when
+    every engine got it as files (a restore reads the version's directory, see
+    :func:`from_files`); otherwise an owned copy taken now, while the publish call still holds
+    the trainer, and kept only if it hashes to what was published."""
+    if all(r.transport == "disk" for r in published.results if r.ok):
+        return None
+    copy = await asyncio.to_thread(owned_copy, adapter)
+    return copy if await asyncio.to_thread(content_hash, copy) == published.content_hash else None
+
+
+def from_files(tenant: Tenant) -> Adapter:
+    """The tenant's current version read back from its directory in the store (the publisher
+    checks it against the recorded hash before anything is loaded).
+
+    Raises:
+        StorageError: the files are gone (an engine that lost the version is then reported failed).
+    """
+    assert tenant.version is not None
+    return Adapter.load(tenant.publisher.store.path_for(tenant.name, tenant.version))
+
+
+def where(engine: Engine) -> str:
+    return f"{engine.kind} at {engine.url or '(in-process)'}"

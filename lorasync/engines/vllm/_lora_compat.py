@@ -1,0 +1,102 @@
+"""What differs, between the vLLM releases lorasync's worker extension runs in, in how vLLM's own
+``WorkerLoRAManager._load_adapter`` builds an adapter, so the extension's staged-tensor loader
+(``worker._load_staged``) mirrors the release it runs in.
+
+Read from the releases' sources: 0.26.0 (the newest release pinning torch 2.11, run on the H200,
+docs/benchmarks-gpu.md) and 0.32.0 (the CPU build the suite runs). A release between them gets
+the rules of the newest listed release not newer than it; a hook the installed release lacks is
+skipped (it was added later), never called blindly.
+
+This module imports nothing from vLLM: the worker passes in what it found.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from lorasync.engines._versions import parse_version
+
+__all__ = ["LoaderRules", "rules_for"]
+
+
+@dataclass(frozen=True)
+class LoaderRules:
+    """How one vLLM release's LoRA loader treats a checkpoint.
+
+    Attributes:
+        mapper (`str`): the ``WeightsMapper`` method whose result renames checkpoint keys
+            (0.26: ``get_unstacked_mapper``, which drops the QKV/MLP fusion maps; 0.32:
+            ``get_rename_mapper``, renames only).
+        validators (`tuple[str, ...]`): ``LoRAModelManager`` checks run on the built model
+            (0.32 validates the MoE layout and classification heads; 0.26 has none).
+        patterns (`bool`): whether ``PEFTHelper`` honours ``rank_pattern`` / ``alpha_pattern``
+            (0.26 drops them: every module gets the global ``lora_alpha / r``).
+        base_layer_names (`bool`): base weights of a LoRA-wrapped layer load only under
+            ``<module>.base_layer.weight`` (0.26: ``load_weights`` with LoRA on refuses
+            ``<module>.weight``, so a merged update must be renamed; 0.32 maps it itself).
+    """
+
+    mapper: str
+    validators: tuple[str, ...]
+    patterns: bool
+    base_layer_names: bool = False
+
+
+RELEASES: dict[tuple[int, ...], LoaderRules] = {
+    (0, 26, 0): LoaderRules(mapper="get_unstacked_mapper", validators=(), patterns=False, base_layer_names=True),
+    (0, 32, 0): LoaderRules(
+        mapper="get_rename_mapper",
+        validators=("_validate_moe_lora_format", "_validate_modules_to_save", "_validate_token_classification_lora"),
+        patterns=True,
+    ),
+}
+
+
+def rules_for(version: object) -> LoaderRules:
+    """The rules of the newest listed release not newer than ``version`` (the oldest listed for
+    older or unparsable versions)."""
+    parsed = parse_version(version)
+    known = sorted(RELEASES)
+    chosen = known[0]
+    for release in known:
+        if parsed is not None and parsed >= release:
+            chosen = release
+    return RELEASES[chosen]
+
+
+def rename_mapper(rules: LoaderRules, model: Any) -> Any:
+    """The model's checkpoint-key mapper as this release's loader derives it, or None."""
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    if mapper is None:
+        return None
+    method = getattr(mapper, rules.mapper, None)
+    if method is None:  # a release between the listed ones that has the other method only
+        method = getattr(mapper, "get_rename_mapper", None) or getattr(mapper, "get_unstacked_mapper", None)
+    return method() if method is not None else mapper
+
+
+def validate(rules: LoaderRules, adapter_manager: Any, lora: Any) -> None:
+    """Run this release's checks on a built ``LoRAModel`` (those the release has)."""
+    for name in rules.validators:
+        check = getattr(adapter_manager, name, None)
+        if check is not None:
+            check(lora)
+
+
+def to_base_layer_names(tensors: dict[str, Any], model: Any) -> dict[str, Any]:
+    """HF checkpoint names of LoRA-wrapped layers' weights, renamed ``<module>.base_layer.<p>``
+    so the model's own ``load_weights`` (which still stacks q/k/v and gate/up) finds them."""
+    wrapped = {n[: -len(".base_layer.weight")] for n, _ in model.named_parameters() if n.endswith(".base_layer.weight")}
+    if not wrapped:
+        return tensors
+    packed = {part: whole for whole, parts in getattr(model, "packed_modules_mapping", {}).items() for part in parts}
+    out = {}
+    for name, tensor in tensors.items():
+        module, _, param = name.rpartition(".")
+        prefix, _, leaf = module.rpartition(".")
+        target = f"{prefix}.{packed.get(leaf, leaf)}"
+        if any(w == target or w.endswith("." + target) or target.endswith("." + w) for w in wrapped):
+            name = f"{module}.base_layer.{param}"
+        out[name] = tensor
+    return out

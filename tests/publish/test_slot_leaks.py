@@ -1,0 +1,116 @@
+"""Slots an unload does not free (vLLM #54839: the unload drops only the frontend's entry).
+
+Two fake engines whose unload answers success and frees nothing: one keeps listing the adapter,
+one drops it from its list but still holds it in its own LoRA list (``aheld_adapters``, as the
+in-process vLLM engine reports vLLM's ``list_loras``). lorasync must notice after retiring
+versions, warn with the remedy, keep the files the engine may still read, and never take the
+serving version down to make room that the engine will not really free.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from pathlib import Path
+
+import pytest
+
+from lorasync import Publisher
+from lorasync.errors import CapacityError, SlotLeakWarning
+from lorasync.testing import MemoryEngine
+from tests.support.adapters import tiny_adapter
+
+
+class ListingLeak(MemoryEngine):
+    """Unload answers OK and the adapter stays loaded and listed; like vLLM, it may re-read an
+    adapter's files (so they are kept for a grace period after an unload)."""
+
+    def unload_adapter(self, name: str) -> None:
+        with self._lock:
+            self._enter("unload_adapter")
+
+    def _caps(self):
+        return dataclasses.replace(super()._caps(), reloads_from_path=True)
+
+
+class HiddenLeak(MemoryEngine):
+    """Unload drops the name from the list only; the engine still holds the adapter (and its slot)."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.hidden: set[str] = set()
+
+    def unload_adapter(self, name: str) -> None:
+        with self._lock:
+            self._enter("unload_adapter")
+            self.hidden.add(name)
+
+    def list_adapters(self) -> list[str]:
+        return [n for n in super().list_adapters() if n not in self.hidden]
+
+    async def aheld_adapters(self) -> frozenset[str]:
+        with self._lock:
+            return frozenset(self._adapters)
+
+
+def _publish(pub: Publisher, version: int):
+    return pub.publish(tiny_adapter(seed=version), version=version).settled()
+
+
+def test_an_unload_that_leaves_the_adapter_listed_is_reported(tmp_path: Path) -> None:
+    """v2's publish retires v1 after it serves; the next listing (v3's publish) finds v1 still
+    there: one SlotLeakWarning with the remedy, and v1's files stay (the engine may read them)."""
+    engine = ListingLeak()
+    pub = Publisher([engine], name="pol", keep=1, transport="disk", root=tmp_path, grace=30.0)
+    try:
+        assert _publish(pub, 1).ok
+        assert _publish(pub, 2).ok
+        with pytest.warns(SlotLeakWarning, match=r"pol@v1.*still lists.*vLLM #54839") as caught:
+            assert _publish(pub, 3).ok
+        leaks = [w.message for w in caught if isinstance(w.message, SlotLeakWarning)]
+        assert [leak.adapters for leak in leaks] == [("pol@v1",)] and leaks[0].engine == "memory"
+        assert (pub.store.path_for("pol", 1) / "adapter_model.safetensors").is_file()
+        assert 1 in pub._files.held()  # held again: no grace runs out under the engine
+        with warnings.catch_warnings(record=True) as later:
+            warnings.simplefilter("always")
+            assert _publish(pub, 4).ok
+        # Each leaked name is reported once: v1 not again, v2 (retired by v3's publish) now.
+        assert [w.message.adapters for w in later if isinstance(w.message, SlotLeakWarning)] == [("pol@v2",)]
+    finally:
+        pub.close()
+
+
+def test_capacity_never_counts_on_a_slot_the_engine_still_holds(tmp_path: Path) -> None:
+    """keep=1 on 3 slots, unloads free nothing: v1 and v2 stay held. For v4 the planner sees the
+    engine full (v1, v2 held, v3 serving) and refuses before anything moves, so v3 keeps serving;
+    counting on v3's unload would take v3 down and then fail the load."""
+    engine = HiddenLeak(max_loras=3)
+    pub = Publisher([engine], name="pol", keep=1, transport="ipc", root=tmp_path)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", SlotLeakWarning)
+            for version in (1, 2, 3):
+                assert _publish(pub, version).ok
+        assert engine.list_adapters() == ["pol@v3"] and set(engine.adapters) == {"pol@v1", "pol@v2", "pol@v3"}
+        report = pub.publish(tiny_adapter(seed=4), version=4)
+        assert not report.ok
+        error = report.results[0].error
+        assert isinstance(error, CapacityError), error
+        assert "still holds pol@v1, pol@v2" in str(error) and "nothing was unloaded" in str(error)
+        assert engine.list_adapters() == ["pol@v3"]  # still serving
+        assert "pol@v3" not in engine.hidden
+    finally:
+        pub.close()
+
+
+def test_an_engine_that_frees_its_slots_raises_no_warning(tmp_path: Path) -> None:
+    engine = MemoryEngine(max_loras=2)
+    pub = Publisher([engine], name="pol", keep=1, transport="ipc", root=tmp_path)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", SlotLeakWarning)
+            for version in range(1, 5):
+                assert _publish(pub, version).ok
+        assert engine.list_adapters() == ["pol@v4"]
+    finally:
+        pub.close()
