@@ -89,6 +89,50 @@ venv_ready() {
   echo "$py"
 }
 
+# check_imports CODE: run CODE with the venv's python and print its stdout (the versions line).
+# What the imports say on stderr (SGLang's "Only CUDA ... support AWQ", Megatron's "Transformer
+# Engine and Apex are not installed", torch's "No CUDA runtime is found") is expected on a CPU box
+# and is shown only when the check fails, with the exit code.
+check_imports() {
+  local err out rc=0
+  err="$(mktemp)"
+  out="$("$py" -c "$1" 2>"$err")" || rc=$?
+  if [ "$rc" -ne 0 ]; then
+    step "the import check failed (exit $rc); python said:"
+    cat "$err" >&2
+    rm -f "$err"
+    exit "$rc"
+  fi
+  rm -f "$err"
+  echo "$out"
+}
+
+# pinned_by PACKAGE NAME...: each NAME, as PACKAGE's own `NAME==V` requirement where it declares
+# one (markers evaluated for this python), else the bare NAME. For packages installed with
+# --no-deps whose helpers are then installed by hand: pip would otherwise pick the newest helper
+# and print "PACKAGE requires X==V, but you have X W which is incompatible".
+pinned_by() {
+  "$py" - "$@" <<'PY'
+import importlib.metadata as md, re, sys
+try:
+    from packaging.requirements import Requirement
+except ImportError:  # a fresh venv has packaging only inside pip
+    from pip._vendor.packaging.requirements import Requirement
+pkg, names = sys.argv[1], sys.argv[2:]
+pins = {}
+for text in md.requires(pkg) or []:
+    req = Requirement(text)
+    if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+        continue
+    exact = [s.version for s in req.specifier if s.operator == "=="]
+    if exact:
+        pins[re.sub(r"[-_.]+", "-", req.name).lower()] = exact[0]
+for name in names:
+    key = re.sub(r"[-_.]+", "-", re.split(r"[<>=!~\[ ]", name, maxsplit=1)[0]).lower()
+    print(f"{key}=={pins[key]}" if key in pins and name == key else name)
+PY
+}
+
 # spec_check MODULE...: python code that exits 1 when any MODULE cannot be found (found, not
 # imported: a dotted name imports its parent packages, so give top-level names where those are heavy).
 spec_check() {

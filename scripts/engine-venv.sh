@@ -40,5 +40,5 @@ step "3/4 ${ENGINE_EXTRAS[*]}"
 pip_install "${ENGINE_EXTRAS[@]}"
 "$py" -m pip uninstall -y -q torchvision torchaudio torchcodec >&2 || true
 step "4/4 checking the imports"
-versions="$("$py" -c "import vllm, transformers; print('vllm', vllm.__version__, 'transformers', transformers.__version__)")"
+versions="$(check_imports "import vllm, transformers; print('vllm', vllm.__version__, 'transformers', transformers.__version__)")"
 venv_ready "vLLM CPU engine venv ($versions)"

@@ -50,5 +50,5 @@ pip_install --no-deps "megatron-bridge==$BRIDGE_VERSION"
 pip_install "torch==$TORCH_VERSION" "transformers>=5.8,<=5.12.1" "peft>=0.18.1" accelerate einops omegaconf \
   "hydra-core>=1.3.4,<1.4" pyyaml tqdm rich regex six safetensors tenacity typing-extensions
 step "4/4 checking the imports"
-versions="$("$py" -c "import importlib.util, megatron.core, transformers, peft, torch; assert importlib.util.find_spec('megatron.bridge'); print('megatron-core', megatron.core.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__, 'torch', torch.__version__)")"
+versions="$(check_imports "import importlib.util, megatron.core, transformers, peft, torch; assert importlib.util.find_spec('megatron.bridge'); print('megatron-core', megatron.core.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__, 'torch', torch.__version__)")"
 venv_ready "Megatron venv, Python 3.12 ($versions)"

@@ -46,12 +46,13 @@ pip_install --no-deps "sglang==$SGLANG_VERSION"
 step "3/4 what sglang's HTTP layer and lorasync import (a few minutes)"
 # Import-time needs of sglang.srt.entrypoints.http_server, plus what lorasync and its
 # contract server import (httpx, tenacity, safetensors, peft).
-pip_install \
-  "${torch_pins[@]}" "transformers==5.19.0" \
-  numpy orjson psutil pybase64 requests triton packaging pillow starlette msgspec pydantic \
-  pyzmq tqdm ipython aiohttp dill apache-tvm-ffi sentencepiece compressed-tensors gguf openai \
-  partial-json-parser uvicorn uvloop fastapi setproctitle einops jsonschema xgrammar soundfile \
-  python-multipart httpx tenacity safetensors "peft>=0.15"
+# Each at sglang's own pin where it declares one (pinned_by), so pip has nothing to object to.
+helpers=(numpy orjson psutil pybase64 requests triton packaging pillow starlette msgspec pydantic
+  pyzmq tqdm ipython aiohttp dill apache-tvm-ffi sentencepiece compressed-tensors gguf openai
+  partial-json-parser uvicorn uvloop fastapi setproctitle einops jsonschema xgrammar soundfile
+  python-multipart httpx tenacity safetensors tokenizers)
+mapfile -t helpers < <(pinned_by sglang "${helpers[@]}")
+pip_install "${torch_pins[@]}" "transformers==5.19.0" "${helpers[@]}" "peft>=0.15"
 step "4/4 checking the imports"
-versions="$("$py" -c "$probe; import sglang; print('sglang', sglang.__version__)")"
+versions="$(check_imports "$probe; import sglang; print('sglang', sglang.__version__)")"
 venv_ready "SGLang venv ($versions)"

@@ -56,3 +56,35 @@ def test_a_half_built_venv_is_rebuilt_and_a_failed_install_says_why(tmp_path: Pa
     assert "found a half-built venv" in done.stderr and "rebuilding it" in done.stderr, done.stderr
     assert "failed (exit" in done.stderr and "ERROR" in done.stderr, done.stderr  # pip's own reason
     assert (venv / "pyvenv.cfg").is_file() and not (venv / ".ready").exists()
+
+
+def _lib(tmp_path: Path, body: str) -> subprocess.CompletedProcess[str]:
+    """Runs ``body`` with scripts/_venv-lib.sh sourced, this test's python as the venv's."""
+    script = f'set -euo pipefail\nlabel=t venv="{tmp_path}" py="{sys.executable}"\nsource "{REPO}/scripts/_venv-lib.sh"\n{body}\n'
+    return subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_helpers_installed_by_hand_take_the_no_deps_package_s_own_pins(tmp_path: Path) -> None:
+    # A package installed with --no-deps declares exact pins (one under a marker that is false
+    # here); its helpers get them, so pip's resolver has no "requires X==V, but you have W" to print.
+    dist = tmp_path / "site" / "fakepkg-1.0.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: fakepkg\nVersion: 1.0\n"
+        "Requires-Dist: openai==2.8.0\nRequires-Dist: Tokenizers==0.23.2\n"
+        'Requires-Dist: numpy>=1.0\nRequires-Dist: soundfile==0.13.1; sys_platform == "never"\n'
+        'Requires-Dist: xgrammar==0.2.7; extra == "gpu"\n'
+    )
+    done = _lib(tmp_path, f'export PYTHONPATH="{tmp_path / "site"}"\npinned_by fakepkg openai tokenizers numpy soundfile xgrammar "peft>=0.15" httpx')
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["openai==2.8.0", "tokenizers==0.23.2", "numpy", "soundfile", "xgrammar", "peft>=0.15", "httpx"]
+
+
+def test_the_import_check_keeps_expected_chatter_out_and_shows_it_on_failure(tmp_path: Path) -> None:
+    chatty = "import sys, warnings; warnings.warn('Only CUDA supports AWQ'); print('vllm 0.32.0')"
+    done = _lib(tmp_path, f'v="$(check_imports "{chatty}")"\necho "got $v"')
+    assert done.returncode == 0 and done.stdout == "got vllm 0.32.0\n" and done.stderr == "", done
+    failing = "import warnings; warnings.warn('context'); import no_such_module_here"
+    done = _lib(tmp_path, f'v="$(check_imports "{failing}")"\necho "not reached"')
+    assert done.returncode == 1 and "not reached" not in done.stdout
+    assert "the import check failed (exit 1)" in done.stderr and "context" in done.stderr and "no_such_module_here" in done.stderr
