@@ -48,6 +48,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -156,6 +157,12 @@ def test_doc_block(block: Block, request: pytest.FixtureRequest, namespaces: dic
     store = pytest.importorskip("lorasync.transports._store")
     if hasattr(store, "default_root"):
         request.getfixturevalue("monkeypatch").setattr(store, "default_root", lambda: tmp_path / "store")
+    # What a block makes with tempfile.mkdtemp() (a reader's throwaway folders) lands in this
+    # test's tmp_path, which pytest cleans, not in the machine's /tmp.
+    scratch = tmp_path / "tempfile"
+    scratch.mkdir()
+    request.getfixturevalue("monkeypatch").setattr(tempfile, "tempdir", str(scratch))
+    request.getfixturevalue("monkeypatch").setenv("TMPDIR", str(scratch))
     blocks = chain(block, page)
     ns = namespaces.get(blocks[-2].id) if len(blocks) > 1 else None
     if ns is None:  # run alone (or after a failure): first re-run what this block continues
@@ -210,6 +217,7 @@ def _run_bash(block: Block, request: pytest.FixtureRequest, tmp: Path) -> None:
     bindir = Path(sys.executable).parent
     env = {**os.environ, "PATH": f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}"}
     env.pop("PYTHONPATH", None)  # a block that needs one sets it, as a reader would
+    env["TMPDIR"] = str(tmp)  # what the block's programs make with tempfile stays in the page's folder
     if block.marker("vllm-venv") is not None:
         env["LORASYNC_VLLM_PYTHON"] = str(request.getfixturevalue("vllm_python"))
     port = str(free_port())  # a server a block starts never collides with another one

@@ -36,7 +36,7 @@ def test_segment_is_safetensors_and_round_trips():
         assert torch.equal(out[key], t) and out[key].dtype == t.dtype
 
 
-def test_other_process_reads_bit_exact():
+def test_other_process_reads_bit_exact(tmp_path):
     tensors = _tensors()
     with write_segment(tensors) as seg:
         code = (
@@ -44,9 +44,7 @@ def test_other_process_reads_bit_exact():
             f"t,_ = read_segment({seg.name!r}, {seg.nbytes});"
             "torch.save({k: v for k, v in t.items()}, sys.argv[1])"
         )
-        import tempfile, os
-
-        out = os.path.join(tempfile.mkdtemp(), "t.pt")
+        out = str(tmp_path / "t.pt")
         subprocess.run([sys.executable, "-c", code, out], check=True)
         got = torch.load(out, weights_only=True)
         # The producer's segment still exists after the consumer exited (no resource-tracker unlink).
