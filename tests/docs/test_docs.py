@@ -45,6 +45,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -157,10 +158,11 @@ def test_doc_block(block: Block, request: pytest.FixtureRequest, namespaces: dic
     store = pytest.importorskip("lorasync.transports._store")
     if hasattr(store, "default_root"):
         request.getfixturevalue("monkeypatch").setattr(store, "default_root", lambda: tmp_path / "store")
-    # What a block makes with tempfile.mkdtemp() (a reader's throwaway folders) lands in this
-    # test's tmp_path, which pytest cleans, not in the machine's /tmp.
-    scratch = tmp_path / "tempfile"
-    scratch.mkdir()
+    # What a block makes with tempfile.mkdtemp() (a reader's throwaway folders) lands in a folder
+    # of this test's, removed afterwards, not in the machine's /tmp. A short path of its own, not
+    # under tmp_path: Ray puts its sockets there, and AF_UNIX paths stop at 107 bytes.
+    scratch = Path(tempfile.mkdtemp(prefix="lsdoc-"))
+    request.addfinalizer(lambda: shutil.rmtree(scratch, ignore_errors=True))
     request.getfixturevalue("monkeypatch").setattr(tempfile, "tempdir", str(scratch))
     request.getfixturevalue("monkeypatch").setenv("TMPDIR", str(scratch))
     blocks = chain(block, page)
