@@ -158,14 +158,19 @@ def test_doc_block(block: Block, request: pytest.FixtureRequest, namespaces: dic
     store = pytest.importorskip("lorasync.transports._store")
     if hasattr(store, "default_root"):
         request.getfixturevalue("monkeypatch").setattr(store, "default_root", lambda: tmp_path / "store")
+    blocks = chain(block, page)
+    if any(b.marker("vllm") is not None for b in blocks):
+        # Started (once per session) before tempfile is redirected below: the server keeps
+        # files of its own in the temp folder it starts with, which must outlive this block.
+        request.getfixturevalue("vllm_server")
     # What a block makes with tempfile.mkdtemp() (a reader's throwaway folders) lands in a folder
     # of this test's, removed afterwards, not in the machine's /tmp. A short path of its own, not
-    # under tmp_path: Ray puts its sockets there, and AF_UNIX paths stop at 107 bytes.
+    # under tmp_path: Ray puts its sockets there, and AF_UNIX paths stop at 107 bytes. Only this
+    # process's tempfile is redirected, not TMPDIR: servers a fixture starts later must not
+    # inherit a folder that goes away.
     scratch = Path(tempfile.mkdtemp(prefix="lsdoc-"))
     request.addfinalizer(lambda: shutil.rmtree(scratch, ignore_errors=True))
     request.getfixturevalue("monkeypatch").setattr(tempfile, "tempdir", str(scratch))
-    request.getfixturevalue("monkeypatch").setenv("TMPDIR", str(scratch))
-    blocks = chain(block, page)
     ns = namespaces.get(blocks[-2].id) if len(blocks) > 1 else None
     if ns is None:  # run alone (or after a failure): first re-run what this block continues
         ns = {"__name__": "__main__"}
