@@ -224,7 +224,11 @@ def _run_bash(block: Block, request: pytest.FixtureRequest, tmp: Path) -> None:
     bindir = Path(sys.executable).parent
     env = {**os.environ, "PATH": f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}"}
     env.pop("PYTHONPATH", None)  # a block that needs one sets it, as a reader would
-    env["TMPDIR"] = str(tmp)  # what the block's programs make with tempfile stays in the page's folder
+    # What the block's programs make with tempfile goes to a short folder of this test's (vLLM and
+    # Ray put sockets there: AF_UNIX paths stop at 107 bytes), removed with the process group.
+    scratch = Path(tempfile.mkdtemp(prefix="lsdoc-"))
+    request.addfinalizer(lambda: shutil.rmtree(scratch, ignore_errors=True))
+    env["TMPDIR"] = str(scratch)
     if block.marker("vllm-venv") is not None:
         env["LORASYNC_VLLM_PYTHON"] = str(request.getfixturevalue("vllm_python"))
     port = str(free_port())  # a server a block starts never collides with another one
