@@ -163,14 +163,18 @@ def test_doc_block(block: Block, request: pytest.FixtureRequest, namespaces: dic
         # Started (once per session) before tempfile is redirected below: the server keeps
         # files of its own in the temp folder it starts with, which must outlive this block.
         request.getfixturevalue("vllm_server")
-    # What a block makes with tempfile.mkdtemp() (a reader's throwaway folders) lands in a folder
-    # of this test's, removed afterwards, not in the machine's /tmp. A short path of its own, not
-    # under tmp_path: Ray puts its sockets there, and AF_UNIX paths stop at 107 bytes. Only this
-    # process's tempfile is redirected, not TMPDIR: servers a fixture starts later must not
-    # inherit a folder that goes away.
-    scratch = Path(tempfile.mkdtemp(prefix="lsdoc-"))
-    request.addfinalizer(lambda: shutil.rmtree(scratch, ignore_errors=True))
-    request.getfixturevalue("monkeypatch").setattr(tempfile, "tempdir", str(scratch))
+    # The folders a block makes with tempfile.mkdtemp() (a reader's throwaway folders) land in
+    # this test's tmp_path, which pytest cleans, not in the machine's /tmp. Only mkdtemp without
+    # a dir is redirected, not tempfile.tempdir or TMPDIR: torch memoizes gettempdir() for its
+    # caches, and servers a fixture starts must not inherit a folder that goes away.
+    scratch = tmp_path / "mkdtemp"
+    scratch.mkdir()
+    real_mkdtemp = tempfile.mkdtemp
+
+    def mkdtemp(suffix: str | None = None, prefix: str | None = None, dir: str | None = None) -> str:  # noqa: A002 - tempfile's name
+        return real_mkdtemp(suffix, prefix, str(scratch) if dir is None else dir)
+
+    request.getfixturevalue("monkeypatch").setattr(tempfile, "mkdtemp", mkdtemp)
     ns = namespaces.get(blocks[-2].id) if len(blocks) > 1 else None
     if ns is None:  # run alone (or after a failure): first re-run what this block continues
         ns = {"__name__": "__main__"}
