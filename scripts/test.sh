@@ -18,7 +18,11 @@ export LORASYNC_SGLANG_PYTHON
 LORASYNC_MEGATRON_PYTHON="$(bash scripts/megatron-venv.sh | tail -n 1)" || LORASYNC_MEGATRON_PYTHON=""
 export LORASYNC_MEGATRON_PYTHON
 set +e
-.venv/bin/python -m pytest "$@"
+# Two workers (pytest-xdist): most of the suite's time is vLLM starting, which keeps one core busy;
+# tests/conftest.py keeps each file on one worker and the Ray files together.
+# LORASYNC_TEST_WORKERS=0 runs everything in this one process; arguments after it override.
+workers="${LORASYNC_TEST_WORKERS:-2}"
+.venv/bin/python -m pytest -n "$workers" --dist loadgroup "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then

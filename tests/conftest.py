@@ -74,6 +74,67 @@ def vllm_server(vllm_python: Path, tiny_model_dir: Path, tmp_path_factory: pytes
         yield server
 
 
+# -- two workers (pytest-xdist, ``-n 2 --dist loadgroup`` in scripts/test.sh) -----------------------
+#
+# Most of the suite's time is vLLM starting (three processes importing vLLM per server or in-process
+# LLM), which keeps one core busy and the other idle; two workers use both. Every test gets a group:
+# its file (a module-scoped peer, such as an in-process vLLM, starts once, on one worker), except
+# the files below, which share a worker with each other.
+SHARED_WORKER = {
+    # Each starts a local Ray cluster (ray.init); one cluster on the machine at a time, so an
+    # `ray.init()` never finds and joins another test's cluster. The docs run docs/engines/ray.md.
+    "ray": (
+        "tests/engines/test_ray_engine.py",
+        "tests/engines/test_ray_trust.py",
+        "tests/fleet/test_fleet_ray.py",
+        "tests/docs/test_docs.py",
+    ),
+}
+_GROUP_OF_FILE = {path: group for group, paths in SHARED_WORKER.items() for path in paths}
+
+
+def xdist_group_of(nodeid: str) -> str:
+    """The worker group of the test ``nodeid``: its shared group, else its file."""
+    path = nodeid.split("::", 1)[0]
+    return _GROUP_OF_FILE.get(path, path)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not hasattr(config, "workerinput"):  # not an xdist worker: nothing to group
+        return
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(xdist_group_of(item.nodeid)))
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """On an xdist worker: hand the reliability figures it measured to the controller, which
+    prints the one table (``pytest_testnodedown`` below)."""
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        from reliability._figures import FIGURES
+
+        workeroutput["lorasync_figures"] = dict(FIGURES)
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: absent when pytest runs without xdist
+def pytest_testnodedown(node, error) -> None:  # noqa: ANN001 - xdist's WorkerController
+    from reliability._figures import record
+
+    record(**getattr(node, "workeroutput", {}).get("lorasync_figures", {}))
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The reliability figures (tests/reliability/_figures.py), once, after the run. Here, not in
+    tests/reliability/conftest.py: under xdist only the controller prints, and it loads only this
+    conftest."""
+    from reliability._figures import FIGURES, FINDING_RUNS, table
+
+    if FIGURES or FINDING_RUNS:
+        terminalreporter.write_line("")
+        for line in table().splitlines():
+            terminalreporter.write_line(line)
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     """Count how issue 28's regression tests ended (tests/reliability/_findings.py), for the
     reliability table's rows per class of finding. Here, not in tests/reliability: they live in

@@ -1,13 +1,12 @@
 """Reliability suite: bounded by default; ``LORASYNC_SOAK=1`` also runs the long soaks
-(``@pytest.mark.slow``). The measured figures are printed as a table after the run."""
+(``@pytest.mark.slow``). The measured figures are printed as a table after the run (by
+tests/conftest.py, which an xdist controller loads)."""
 
 from __future__ import annotations
 
 import os
 
 import pytest
-
-from ._figures import FIGURES, FINDING_RUNS, table
 
 SOAK = os.environ.get("LORASYNC_SOAK") == "1"
 
@@ -19,13 +18,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "slow" in item.keywords and "reliability" in str(item.fspath):
             item.add_marker(skip)
-
-
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    if FIGURES or FINDING_RUNS:
-        terminalreporter.write_line("")
-        for line in table().splitlines():
-            terminalreporter.write_line(line)
 
 
 @pytest.fixture(autouse=True)
