@@ -20,7 +20,8 @@ slow_parts=(
   tests/distributed tests/reliability tests/docs tests/exporters/test_deepspeed.py
   tests/engines/test_ray_engine.py tests/engines/test_ray_trust.py tests/megatron/test_megatron_distributed.py
 )
-.venv/bin/python -m pytest -m "not vllm and not slow and not gpu" "${slow_parts[@]/#/--ignore=}" "$@"
+# Two workers, as scripts/test.sh; LORASYNC_TEST_WORKERS=0 runs everything in this one process.
+.venv/bin/python -m pytest -n "${LORASYNC_TEST_WORKERS:-2}" --dist loadgroup -m "not vllm and not slow and not gpu" "${slow_parts[@]/#/--ignore=}" "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then

@@ -17,6 +17,16 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.fixture
+def dead_url():
+    """``http://127.0.0.1:<port>`` where nothing listens, for the whole test: the port is held bound
+    (not listening), so no other process, such as the other worker's vLLM, can take it meanwhile."""
+    from lorasync.testing.vllm_server import refused_url
+
+    with refused_url() as url:
+        yield url
+
+
 # -- real vLLM server (tests marked @pytest.mark.vllm) --------------------------------------------
 
 
@@ -97,6 +107,21 @@ def xdist_group_of(nodeid: str) -> str:
     """The worker group of the test ``nodeid``: its shared group, else its file."""
     path = nodeid.split("::", 1)[0]
     return _GROUP_OF_FILE.get(path, path)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """On an xdist worker: the vLLM engines it starts (servers, in-process peers, doc blocks) bind
+    their compute thread to a core of their own worker. vLLM CPU's ``auto`` binding puts every
+    engine on the first core, so the two workers' engines took turns on one core while the other
+    waited on them."""
+    import os
+
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is None or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:  # a binding of the user's own wins
+        return
+    cpus = sorted(os.sched_getaffinity(0))
+    index = int(str(workerinput["workerid"]).lstrip("gw") or 0)
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(cpus[index % len(cpus)])
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

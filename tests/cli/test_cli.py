@@ -92,10 +92,8 @@ def saved_adapter(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def test_engine_failure_exits_3_and_partial_publish_exits_4(capsys: pytest.CaptureFixture[str], saved_adapter: Path, tmp_path: Path) -> None:
-    from lorasync.testing.vllm_server import free_port
-
-    dead = f"vllm:http://127.0.0.1:{free_port()}"
+def test_engine_failure_exits_3_and_partial_publish_exits_4(capsys: pytest.CaptureFixture[str], saved_adapter: Path, tmp_path: Path, dead_url: str) -> None:
+    dead = f"vllm:{dead_url}"
     base = json.loads((saved_adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
     common = ["--name", "cli", "--version", "1", "--root", str(tmp_path), "--json"]
     code, doc = _json(capsys, ["publish", str(saved_adapter), "--engine", dead, *common])
@@ -124,8 +122,12 @@ def test_verbose_logs_each_publish(caplog: pytest.LogCaptureFixture, capsys: pyt
     assert capsys.readouterr().out == ""
 
 
-def test_demo_trains_publishes_cleans_up_and_saves(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    before = set(Path(tempfile.gettempdir()).glob("lorasync-demo-*"))
+def test_demo_trains_publishes_cleans_up_and_saves(capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The demo's temp folder goes to a folder of this test's own: the shared /tmp may hold another
+    # process's demo folder that comes or goes meanwhile (the suite runs on two workers).
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
     save = tmp_path / "last"
     code, doc = _json(capsys, ["demo", "--steps", "4", "--save", str(save), "--json"])
     assert code == 0 and doc["ok"] is True
@@ -133,7 +135,7 @@ def test_demo_trains_publishes_cleans_up_and_saves(capsys: pytest.CaptureFixture
     assert len(losses) == 4 and all(b < a for a, b in zip(losses, losses[1:])), losses
     assert [s["served_name"] for s in doc["steps"]] == [f"demo-policy@v{i}" for i in range(1, 5)]
     assert all(s["results"][0]["timings"].get("verify") is not None for s in doc["steps"])
-    assert set(Path(tempfile.gettempdir()).glob("lorasync-demo-*")) == before  # temp dir removed
+    assert list(temp.iterdir()) == []  # its temp folder removed, nothing else left there
     assert doc["saved"] == str(save)
     assert main(["inspect", str(save)]) == 0
     assert "vllm    loads" in capsys.readouterr().out
@@ -214,9 +216,7 @@ def test_export_megatron_json(capsys: pytest.CaptureFixture[str], tmp_path: Path
     assert code == 2 and doc["error"]["type"] == "MissingShardError"
 
 
-def test_demo_against_an_unreachable_engine_fails_before_training(capsys: pytest.CaptureFixture[str]) -> None:
-    from lorasync.testing.vllm_server import free_port
-
-    code, doc = _json(capsys, ["demo", "--engine", f"vllm:http://127.0.0.1:{free_port()}", "--json"])
+def test_demo_against_an_unreachable_engine_fails_before_training(capsys: pytest.CaptureFixture[str], dead_url: str) -> None:
+    code, doc = _json(capsys, ["demo", "--engine", f"vllm:{dead_url}", "--json"])
     assert code == 3 and doc["error"]["type"] == "EngineUnavailableError"
     assert "steps" not in doc  # no step ran

@@ -16,7 +16,6 @@ from lorasync import Probe
 from lorasync.engines.vllm import VLLMEngine
 from lorasync.exporters.fsdp import export
 from lorasync.testing import make_peft_model
-from lorasync.testing.vllm_server import free_port
 
 pytestmark = pytest.mark.vllm
 
@@ -24,7 +23,7 @@ DEADLINE_S = 150  # vLLM loads and generates on a busy 2-core box
 PROMPTS = ([5, 17, 99, 230, 41], [300, 12, 7])
 
 
-def test_vllm_node_serves_what_the_trainer_trained(vllm_server, tiny_model_dir, tmp_path, spawn_ranks):
+def test_vllm_node_serves_what_the_trainer_trained(vllm_server, tiny_model_dir, tmp_path, spawn_ranks, dead_url):
     from transformers import AutoModelForCausalLM
 
     threads = torch.get_num_threads()
@@ -45,7 +44,7 @@ def test_vllm_node_serves_what_the_trainer_trained(vllm_server, tiny_model_dir, 
 
     out = tmp_path / "ranks"
     out.mkdir()
-    dead = f"http://127.0.0.1:{free_port()}"
+    dead = dead_url
     probe_json = {"prompt_ids": list(probe.prompt_ids), "expected_ids": list(probe.expected_ids),
                   "expected_logprobs": list(probe.expected_logprobs), "atol": probe.atol}
     engine = VLLMEngine(vllm_server.url, timeout=120)

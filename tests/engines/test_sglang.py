@@ -37,6 +37,7 @@ from lorasync.errors import (
     RankTooLargeError,
 )
 from lorasync.testing import make_peft_model, make_tiny_model
+from lorasync.testing._ports import group_listens
 from support import free_port as _free_port
 
 SERVER_FLAGS = [
@@ -74,15 +75,16 @@ def _contract_server(model_dir: Path, log: Path, *extra: str) -> Iterator[str]:
     cmd = [python, str(PEER), "--host", "127.0.0.1", "--port", str(port),
            "--model-path", str(model_dir), *SERVER_FLAGS, *extra]  # fmt: skip
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + 300  # the other pytest worker may be starting a vLLM meanwhile
         while True:
             if proc.poll() is not None:
                 pytest.fail(f"SGLang contract server exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
             try:
-                if httpx.get(f"{url}/_contract/requests", timeout=2).status_code == 200:
+                # only an answer from this peer's own socket counts (not another process's on the port)
+                if httpx.get(f"{url}/_contract/requests", timeout=2).status_code == 200 and group_listens(proc.pid, port) is not False:
                     break
             except httpx.TransportError:
                 pass

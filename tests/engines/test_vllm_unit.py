@@ -23,7 +23,6 @@ from lorasync.errors import (
     EngineUnavailableError,
     RankTooLargeError,
 )
-from lorasync.testing.vllm_server import free_port
 
 FAST = RetryPolicy(attempts=3, backoff=0.0, jitter=0.0)
 Handler = Callable[[httpx.Request], httpx.Response]
@@ -102,8 +101,8 @@ def test_flat_error_envelope_of_older_vllm(status: int, message: str, cls: type[
 # -- retries -------------------------------------------------------------------------------------------
 
 
-def test_connection_refused_is_retried_then_named() -> None:
-    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+def test_connection_refused_is_retried_then_named(dead_url: str) -> None:
+    url = dead_url  # nothing listens there
     engine = VLLMEngine(url, retries=FAST)
     with pytest.raises(EngineUnavailableError) as info:
         engine.load_adapter("policy@v7", "/dev/shm/p/v7")

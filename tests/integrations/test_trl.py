@@ -154,11 +154,10 @@ def test_every_n_steps_and_final_step(tiny_model_dir: Path, tmp_path: Path) -> N
     pub.close()
 
 
-def test_failed_publish_raises_or_warns(tiny_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_failed_publish_raises_or_warns(tiny_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, dead_url: str) -> None:
     from lorasync.engines.vllm import VLLMEngine
-    from lorasync.testing.vllm_server import free_port
 
-    dead = f"http://127.0.0.1:{free_port()}"
+    dead = dead_url
     raising = LoraSyncCallback([VLLMEngine(dead, retries=1, timeout=2)], root=tmp_path / "a")
     trainer = Trainer(model=_peft_model(tiny_model_dir), args=TrainingArguments(**_args(tmp_path)), train_dataset=_dataset(), callbacks=[raising])
     with pytest.raises(EngineUnavailableError):
@@ -335,12 +334,11 @@ def test_an_export_that_raises_in_the_callback_closes_its_publisher(tiny_model_d
     assert callback.publisher is None and _lorasync_threads(before) == []
 
 
-def test_reports_are_bounded_and_keep_the_failures(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_reports_are_bounded_and_keep_the_failures(tiny_model_dir: Path, tmp_path: Path, dead_url: str) -> None:
     from lorasync.engines.vllm import VLLMEngine
-    from lorasync.testing.vllm_server import free_port
 
     engine = connect("peft", base_model_path=tiny_model_dir)
-    dead = VLLMEngine(f"http://127.0.0.1:{free_port()}", retries=1, timeout=2)
+    dead = VLLMEngine(dead_url, retries=1, timeout=2)
     pub = Publisher([engine], name="policy", root=tmp_path / "store", keep=1)
     callback = LoraSyncCallback(pub, keep_reports=2, on_error="warn")
     trainer = Trainer(model=_peft_model(tiny_model_dir), args=TrainingArguments(**_args(tmp_path, max_steps=5)),
@@ -364,7 +362,7 @@ def test_reports_are_bounded_and_keep_the_failures(tiny_model_dir: Path, tmp_pat
     assert LoraSyncCallback(["vllm:http://127.0.0.1:1"], keep_reports=None).keep_reports is None
 
 
-def test_a_failed_publish_stops_every_rank_of_a_distributed_run(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_a_failed_publish_stops_every_rank_of_a_distributed_run(tiny_model_dir: Path, tmp_path: Path, dead_url: str) -> None:
     """2 gloo ranks, DDP on CPU: process zero's publish fails at step 1 and every rank's train()
     raises the same typed error there (before, rank 1 went on into the next all-reduce alone)."""
     import json
@@ -372,9 +370,7 @@ def test_a_failed_publish_stops_every_rank_of_a_distributed_run(tiny_model_dir: 
     from _trl_ranks_worker import train_with_a_dead_engine
     from support import run_distributed
 
-    from lorasync.testing.vllm_server import free_port
-
-    run_distributed(train_with_a_dead_engine, str(tmp_path), str(tiny_model_dir), f"http://127.0.0.1:{free_port()}", world_size=2, timeout_s=240)
+    run_distributed(train_with_a_dead_engine, str(tmp_path), str(tiny_model_dir), dead_url, world_size=2, timeout_s=240)
     outcomes = [json.loads((tmp_path / f"trl-outcome-{rank}.json").read_text()) for rank in range(2)]
     assert [o["world"] for o in outcomes] == [2, 2]
     assert [(o["raised"], o["step"]) for o in outcomes] == [("EngineUnavailableError", 1)] * 2

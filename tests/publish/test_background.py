@@ -10,7 +10,7 @@ from lorasync import Publisher, Retention
 from lorasync.testing import MemoryEngine
 from tests.support.adapters import tiny_adapter
 
-UNLOAD_S = 0.4
+UNLOAD_S = 1.0  # long beside a publish of a tiny adapter, even on a busy 2-core box (two pytest workers)
 adapter = tiny_adapter
 
 

@@ -78,11 +78,10 @@ def test_merged_transport_folds_from_pristine_base(vllm, trainer, tiny_model_dir
     assert [served_tokens(vllm, None, p)[0] for p in PROMPTS] == [reference(base, p) for p in PROMPTS]
 
 
-def test_dead_engine_is_reported_and_others_serve(vllm, peft_engine, trainer, tmp_path):
+def test_dead_engine_is_reported_and_others_serve(vllm, peft_engine, trainer, tmp_path, dead_url):
     from lorasync.engines.vllm import VLLMEngine
-    from lorasync.testing.vllm_server import free_port
 
-    dead = VLLMEngine(f"http://127.0.0.1:{free_port()}", retries=2, timeout=5)
+    dead = VLLMEngine(dead_url, retries=2, timeout=5)
     model = trainer(seed=41)
     report = Publisher([vllm, dead, peft_engine], name="fanout", root=tmp_path, keep=1).publish(export(model), version=1)
     assert [r.status for r in report.results] == ["loaded", "failed", "loaded"]

@@ -5,16 +5,27 @@ about is_gradient_checkpointing (read by peft)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 
-def test_demo_prints_no_warning_and_no_traceback() -> None:
+
+def test_demo_prints_no_warning_and_no_traceback(tmp_path_factory: pytest.TempPathFactory) -> None:
     cli = Path(sys.executable).parent / "lorasync"
-    done = subprocess.run([str(cli), "demo", "--steps", "2"], capture_output=True, text=True, timeout=600, check=False)
+    # Its own temp folder, to see that the demo leaves nothing there; not tmp_path, whose name (this
+    # test's) holds the word "warning" the output is searched for.
+    temp = tmp_path_factory.mktemp("demo-temp")
+    env = {**os.environ, "TMPDIR": str(temp)}
+    done = subprocess.run([str(cli), "demo", "--steps", "2"], capture_output=True, text=True, timeout=600, check=False, env=env)
     text = done.stdout + done.stderr
     assert done.returncode == 0, text
     assert "all engines serve exactly the trained weights" in done.stdout, text
     for noise in ("warning", "traceback", "setting accelerator"):
         assert noise not in text.lower(), text
+    # torch keeps its compile cache (torchinductor_<user>) in the temp folder on purpose; anything
+    # else there the demo left behind.
+    left = [p.name for p in temp.iterdir() if not p.name.startswith("torchinductor_")]
+    assert left == [], f"the demo left {left} in its temp folder"
