@@ -21,7 +21,7 @@ slow_parts=(
   tests/engines/test_ray_engine.py tests/engines/test_ray_trust.py tests/megatron/test_megatron_distributed.py
 )
 # Two workers, as scripts/test.sh; LORASYNC_TEST_WORKERS=0 runs everything in this one process.
-.venv/bin/python -m pytest -n "${LORASYNC_TEST_WORKERS:-2}" --dist loadgroup -m "not vllm and not slow and not gpu" "${slow_parts[@]/#/--ignore=}" "$@"
+.venv/bin/python -m pytest -n "${LORASYNC_TEST_WORKERS:-2}" --dist loadgroup --max-worker-restart 0 -m "not vllm and not slow and not gpu" "${slow_parts[@]/#/--ignore=}" "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then

@@ -20,9 +20,11 @@ export LORASYNC_MEGATRON_PYTHON
 set +e
 # Two workers (pytest-xdist): most of the suite's time is vLLM starting, which keeps one core busy;
 # tests/conftest.py keeps each file on one worker and the Ray files together.
-# LORASYNC_TEST_WORKERS=0 runs everything in this one process; arguments after it override.
+# A worker that dies (a crash in a test) ends the run, failed: xdist 3.8 replacing it under this
+# scheduling waits forever. LORASYNC_TEST_WORKERS=0 runs everything in this one process;
+# arguments after it override.
 workers="${LORASYNC_TEST_WORKERS:-2}"
-.venv/bin/python -m pytest -n "$workers" --dist loadgroup "$@"
+.venv/bin/python -m pytest -n "$workers" --dist loadgroup --max-worker-restart 0 "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then

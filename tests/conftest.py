@@ -124,28 +124,36 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(cpus[index % len(cpus)])
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if not hasattr(config, "workerinput"):  # not an xdist worker: nothing to group
-        return
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(xdist_group_of(item.nodeid)))
-
-
-def pytest_sessionfinish(session: pytest.Session) -> None:
-    """On an xdist worker: hand the reliability figures it measured to the controller, which
-    prints the one table (``pytest_testnodedown`` below)."""
-    workeroutput = getattr(session.config, "workeroutput", None)
-    if workeroutput is not None:
-        from reliability._figures import FIGURES
-
-        workeroutput["lorasync_figures"] = dict(FIGURES)
-
-
 @pytest.hookimpl(optionalhook=True)  # an xdist hook: absent when pytest runs without xdist
-def pytest_testnodedown(node, error) -> None:  # noqa: ANN001 - xdist's WorkerController
-    from reliability._figures import record
+def pytest_xdist_make_scheduler(config: pytest.Config, log):  # noqa: ANN001, ANN201 - xdist's types
+    """Under ``--dist loadgroup``: xdist's scope scheduling (a scope's tests run on one worker, in
+    order) with :func:`xdist_group_of` as the scope. Not ``xdist_group`` marks: xdist turns them
+    into a node-id suffix in a collection hook that runs before this conftest's, and pytest 9 no
+    longer reads the attribute it writes, so the marks grouped nothing."""
+    if config.getoption("dist", None) != "loadgroup":
+        return None  # xdist's own scheduler for the mode asked for
+    from xdist.scheduler import LoadScopeScheduling
 
-    record(**getattr(node, "workeroutput", {}).get("lorasync_figures", {}))
+    class ByGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_group_of(nodeid)
+
+    return ByGroup(config, log)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> pytest.TestReport:
+    """On an xdist worker: each test's last report carries the reliability figures it measured
+    (tests/reliability/_figures.py) to the controller, which prints the one table; sent test by
+    test, so a worker that dies later loses none of them."""
+    report = yield
+    if call.when == "teardown" and hasattr(item.config, "workerinput"):
+        from reliability._figures import take_new
+
+        new = take_new()
+        if new:
+            report.user_properties.append(("lorasync_figures", new))
+    return report
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
@@ -163,7 +171,14 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     """Count how issue 28's regression tests ended (tests/reliability/_findings.py), for the
     reliability table's rows per class of finding. Here, not in tests/reliability: they live in
-    several folders, and a folder's conftest sees only its own tests."""
+    several folders, and a folder's conftest sees only its own tests. On the xdist controller it
+    also records the figures a worker's test measured (``pytest_runtest_makereport`` above)."""
+    if getattr(report, "node", None) is not None:  # xdist sets it on the controller, for a worker's report
+        from reliability._figures import record
+
+        for name, value in report.user_properties:
+            if name == "lorasync_figures":
+                record(**value)
     if report.when == "teardown" or (report.when == "setup" and report.passed):
         return
     from reliability._figures import record_finding_test  # tests/ is on sys.path: one module for both conftests

@@ -41,16 +41,14 @@ def _listening_inodes(port: int) -> set[str] | None:
 
 def _group_members(pgid: int) -> list[int]:
     members = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
             continue
         try:
-            stat = (entry / "stat").read_text()
-        except OSError:
+            if os.getpgid(int(entry)) == pgid:
+                members.append(int(entry))
+        except OSError:  # it exited meanwhile
             continue
-        # pid (comm) state ppid pgrp ...: comm may hold spaces and parentheses, so split after the last ')'
-        if int(stat.rsplit(")", 1)[1].split()[2]) == pgid:
-            members.append(int(entry.name))
     return members
 
 
@@ -81,7 +79,13 @@ def group_listens(pgid: int, port: int) -> bool | None:
 @contextmanager
 def refused_url(host: str = "127.0.0.1") -> Iterator[str]:
     """``http://host:port`` where nothing listens, for as long as the block runs: the port is
-    bound here without listening, so connections are refused and no other process can take it."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    bound here without listening, so connections are refused and no other process can take it.
+
+    Args:
+        host (`str`): an IPv4 or IPv6 address (not a name, which may stand for both).
+    """
+    v6 = ":" in host
+    with socket.socket(socket.AF_INET6 if v6 else socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
-        yield f"http://{host}:{sock.getsockname()[1]}"
+        shown = f"[{host}]" if v6 else host
+        yield f"http://{shown}:{sock.getsockname()[1]}"

@@ -124,7 +124,7 @@ class VLLMServer:
         self.python = Path(python) if python is not None else vllm_python()
         self.host = host
         self.port = port or free_port(host)
-        self._own_port = port is None  # picked here: may be picked again if another process takes it
+        self._own_port = not port  # picked here: may be picked again if another process takes it
         self.enable_lora = enable_lora
         self.runtime_lora = runtime_lora
         self.dev_mode = dev_mode
@@ -223,7 +223,10 @@ class VLLMServer:
             try:
                 self._wait_healthy()
                 return self
-            except EngineUnavailableError:
+            except EngineTimeoutError:  # started, never healthy: another port would not help
+                self.stop()
+                raise
+            except EngineUnavailableError:  # it exited during startup
                 self.stop()
                 # The port picked here was taken by another process before vLLM bound it: pick
                 # another one. A port the caller chose is the caller's to free.

@@ -135,7 +135,9 @@ def test_demo_trains_publishes_cleans_up_and_saves(capsys: pytest.CaptureFixture
     assert len(losses) == 4 and all(b < a for a, b in zip(losses, losses[1:])), losses
     assert [s["served_name"] for s in doc["steps"]] == [f"demo-policy@v{i}" for i in range(1, 5)]
     assert all(s["results"][0]["timings"].get("verify") is not None for s in doc["steps"])
-    assert list(temp.iterdir()) == []  # its temp folder removed, nothing else left there
+    # its temp folder removed, nothing left there but torch's compile cache (torchinductor_<user>,
+    # made in the temp folder by the first import of peft in a process)
+    assert [p.name for p in temp.iterdir() if not p.name.startswith("torchinductor_")] == []
     assert doc["saved"] == str(save)
     assert main(["inspect", str(save)]) == 0
     assert "vllm    loads" in capsys.readouterr().out

@@ -8,10 +8,12 @@ port when vLLM cannot bind; ``refused_url`` keeps a "nothing listens here" port 
 from __future__ import annotations
 
 import http.server
+import os
 import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -82,3 +84,125 @@ def test_a_port_taken_before_vllm_binds_it_is_not_mistaken_for_the_server(
     finally:
         squatter.shutdown()
         squatter.server_close()
+
+
+# -- VLLMServer's start, against a stand-in for vLLM's entry point (seconds, not a vLLM start) -------
+
+FAKE_VLLM = """#!{python}
+# Stands in for `python -m vllm.entrypoints.openai.api_server ...`: binds --host/--port as vLLM
+# does (exits with EADDRINUSE when it cannot) and answers 200 to everything; --hang: never healthy.
+import http.server, sys
+args = sys.argv[1:]
+host, port = args[args.index("--host") + 1], int(args[args.index("--port") + 1])
+print("torch c10d: Address already in use (a harmless warning of another component)", flush=True)
+if "--hang" in args:
+    import time
+    time.sleep(600)
+class Ok(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+    def log_message(self, *a):
+        pass
+http.server.HTTPServer((host, port), Ok).serve_forever()
+"""
+
+
+@pytest.fixture
+def fake_vllm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    import lorasync.testing.venvs as venvs
+
+    class Ready:
+        def require(self) -> None:
+            return None
+
+    monkeypatch.setattr(venvs, "engine_venv", lambda *a, **k: Ready())
+    python = tmp_path / "python"
+    python.write_text(FAKE_VLLM.format(python=sys.executable))
+    python.chmod(0o755)
+    return python
+
+
+def _picks(monkeypatch: pytest.MonkeyPatch, first: list[int]) -> list[int]:
+    """Make VLLMServer pick ``first`` ports first, then free ones; returns every port it picked."""
+    picked: list[int] = []
+    queue = list(first)
+
+    def pick(host: str = "127.0.0.1") -> int:
+        picked.append(queue.pop(0) if queue else free_port(host))
+        return picked[-1]
+
+    monkeypatch.setattr("lorasync.testing.vllm_server.free_port", pick)
+    return picked
+
+
+@pytest.mark.parametrize("port", [None, 0])
+def test_a_picked_port_that_is_taken_is_picked_again(fake_vllm: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, port: int | None) -> None:
+    squatter = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Healthy)  # answers 200 to /health
+    threading.Thread(target=squatter.serve_forever, daemon=True).start()
+    picked = _picks(monkeypatch, [squatter.server_address[1]])
+    try:
+        with VLLMServer("/model", python=fake_vllm, port=port, log_path=tmp_path / "log", startup_timeout=30) as server:
+            assert len(picked) == 2 and server.port == picked[1] != picked[0]
+            assert group_listens(server.pid, server.port) is True
+    finally:
+        squatter.shutdown()
+        squatter.server_close()
+
+
+def test_a_port_the_caller_chose_is_not_changed(fake_vllm: Path, tmp_path: Path) -> None:
+    from lorasync.errors import EngineUnavailableError
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        server = VLLMServer("/model", python=fake_vllm, port=port, log_path=tmp_path / "log", startup_timeout=30)
+        with pytest.raises(EngineUnavailableError, match="exited"):
+            server.start()
+        assert server.port == port
+
+
+def test_a_start_that_times_out_is_not_retried_on_another_port(fake_vllm: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its log says "Address already in use" (another component's warning), but the server never
+    exited: the timeout is raised after one attempt, not three."""
+    from lorasync.errors import EngineTimeoutError
+
+    picked = _picks(monkeypatch, [])
+    server = VLLMServer("/model", python=fake_vllm, log_path=tmp_path / "log", startup_timeout=2, extra_args=("--hang",))
+    with pytest.raises(EngineTimeoutError):
+        server.start()
+    assert len(picked) == 1 and not server.alive()
+
+
+def test_group_listens_reads_every_process_name(tmp_path: Path) -> None:
+    """A process of anybody's whose name the kernel cut inside a UTF-8 character (15 bytes) is
+    just another process, not a crash of the scan."""
+    odd = tmp_path / "comptes_rendu_été"  # byte 15 is the first half of "é"
+    odd.symlink_to(sys.executable)
+    other = subprocess.Popen([str(odd), "-c", "import time; time.sleep(30)"])
+    try:
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{other.pid}/comm").read_bytes().rstrip(b"\n") != "comptes_rendu_é".encode()[:15]:
+            assert time.monotonic() < deadline, "the process did not take its name"
+            time.sleep(0.05)
+        assert group_listens(os.getpgid(os.getpid()), free_port()) is False
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_refused_url_holds_ipv6_ports_too() -> None:
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 on this machine")
+    try:
+        context = refused_url("::1")
+        url = context.__enter__()
+    except OSError as exc:
+        pytest.skip(f"no IPv6 loopback here: {exc}")
+    try:
+        assert url.startswith("http://[::1]:")
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(url, timeout=2)
+    finally:
+        context.__exit__(None, None, None)

@@ -372,14 +372,18 @@ def test_adapters_in_use_sees_a_decoding_request(
     engine.load_adapter(idle, adapter_dirs["two"])
     body = {"model": busy, "prompt": [5, 6, 7], "max_tokens": 480, "temperature": 0.0, "ignore_eos": True}
     answers: list[httpx.Response] = []
+    errors: list[BaseException] = []
     done = threading.Event()
 
     def feed() -> None:
         # Long requests back to back keep the adapter busy until the gauge has been seen naming it,
         # however fast (idle box) or slow (a busy one, where a /metrics poll may wait seconds) the
         # engine decodes them.
-        while not done.is_set():
-            answers.append(httpx.post(f"{vllm_server.url}/v1/completions", json=body, timeout=300))
+        try:
+            while not done.is_set():
+                answers.append(httpx.post(f"{vllm_server.url}/v1/completions", json=body, timeout=300))
+        except BaseException as exc:  # a failed request fails the test, not only its thread
+            errors.append(exc)
 
     threads = [threading.Thread(target=feed) for _ in range(2)]
     for thread in threads:
@@ -394,6 +398,7 @@ def test_adapters_in_use_sees_a_decoding_request(
         done.set()
         for thread in threads:
             thread.join(timeout=300)
+    assert not errors, errors
     assert answers and {a.status_code for a in answers} == {200}
     # Every request finished: the newest gauge sample names no adapter any more.
     after: list[frozenset[str] | None] = []

@@ -67,6 +67,27 @@ def record(**values: Any) -> None:
             FIGURES[key] = value
 
 
+_SENT: dict[str, Any] = {}
+
+
+def take_new() -> dict[str, Any]:
+    """What :func:`record` added since the last call, in ``record``'s own terms (integers as the
+    amount added, ``MAXIMA`` and other values as they are now): an xdist worker sends it to the
+    controller with each test's report, and the controller ``record``s it."""
+    new: dict[str, Any] = {}
+    for key, value in FIGURES.items():
+        before = _SENT.get(key)
+        if key in _SENT and value == before:
+            continue
+        if isinstance(value, int) and isinstance(before, int) and key not in MAXIMA:
+            new[key] = value - before
+        else:
+            new[key] = value
+    _SENT.clear()
+    _SENT.update(FIGURES)
+    return new
+
+
 # Issue 28's regression tests, by class of finding (see _findings.py): how they ended in this run.
 FINDING_RUNS: dict[str, dict[str, int]] = {}
 
