@@ -7,9 +7,8 @@ Each round runs every way once, in a rotated order (interleaved: the machine's n
 alike); each way ends with one completion (1 token) on the weights just synced, whose token is
 checked against the trainer's own greedy token:
 
-* ``lorasync`` — ``pub.publish(adapter, version=step)`` of the trainer's live GPU tensors (the
-  tests' ``gpu_adapter``: ``fsdp.export`` would move them to the host first), default transport
-  (disk for an HTTP server on this host), keep=2; ``lorasync-disk`` the same with
+* ``lorasync`` — ``pub.publish(fsdp.export(model), version=step)``: the export keeps the GPU
+  tensors where they are, the default transport picks CUDA IPC into the server's GPU, keep=2; ``lorasync-disk`` the same with
   ``transport="disk"`` named; ``lorasync-ipc`` with ``transport="ipc"``: CUDA IPC into the worker;
 * ``peer`` — what TRL / ART / SkyRL do: ``save_pretrained`` + ``POST /v1/load_lora_adapter`` of a
   new name + unload of step-2;
@@ -132,7 +131,10 @@ def _one_rank(h: Any, r: int, base_model: Any, engine: Any, raw: Any, tmp: Path,
 
     def sync(way: str, i: int) -> tuple[str, dict[str, float]]:
         if way in pubs:
-            report = pubs[way].publish(live, version=i + 1).raise_for_errors()
+            # The default way is what the README shows a trainer: publish(export(model)); export
+            # keeps GPU tensors on the GPU (the live parameters, no copy), like ``live`` below.
+            adapter = export(model) if way == "lorasync" else live
+            report = pubs[way].publish(adapter, version=i + 1).raise_for_errors()
             transports[way].add(report.results[0].transport or "?")
             return report.served_name, {**{k: v for k, v in report.timings.items() if k != "total"}, **report.results[0].timings}
         if way == "peer":

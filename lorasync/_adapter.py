@@ -36,6 +36,7 @@ from lorasync.errors import (
     StorageError,
     UnsupportedDtypeError,
 )
+from lorasync.wire import device_hash
 from lorasync.wire.d2h import DEFAULT_CHUNK_BYTES, serialize, start_copy
 from lorasync.wire.layout import plan
 from lorasync.wire.views import raw_bytes
@@ -161,16 +162,30 @@ class Adapter:
     @property
     def content_hash(self) -> str:
         """``"xxh3-128:<hex>"`` over config, keys, dtypes, shapes and bytes; independent of dict
-        order and device, so an unchanged adapter is recognised wherever it lives.
+        order. An adapter whose tensors all live on one GPU is hashed there instead
+        (``"dev128:<hex>"``, same coverage, no device-to-host copy: design invariant 14); the two
+        kinds never compare equal, so a moved adapter is at worst published again, never taken
+        for unchanged.
 
         Computed from the bytes at every access, never cached: an Adapter may wrap the trainer's
         own tensors (``export`` does not copy), which change in place between publishes. One
         pass at memory speed (XXH3-128); :meth:`save_hashed` gets it out of the write pass.
         """
+        if _one_cuda_device(self._tensors):
+            return self._device_hash()
         h = _hasher()
         for _ in self._hashed_chunks(h):
             pass
         return HASH_PREFIX + h.hexdigest()
+
+    def _device_hash(self) -> str:
+        """``"dev128:<hex>"``: the same coverage as the host hash, with the bytes hashed on the
+        device they live on (:mod:`lorasync.wire.device_hash`): no device-to-host copy."""
+        keys = sorted(self._tensors)
+        header = _canonical_config(self._config).encode() + b"".join(
+            tensor_header(k, self._tensors[k].dtype, self._tensors[k].shape) for k in keys
+        )
+        return device_hash.tensors_digest(self._tensors, header)
 
     def matches_hash(self, digest: str) -> bool:
         """Whether ``digest`` (a recorded :attr:`content_hash`) names this adapter's content now.
@@ -180,6 +195,8 @@ class Adapter:
         """
         if digest.startswith(HASH_PREFIX):
             return digest == self.content_hash
+        if digest.startswith(device_hash.PREFIX):
+            return digest == self._device_hash()
         if len(digest) == 64 and all(c in "0123456789abcdef" for c in digest):
             h = hashlib.sha256()
             for _ in self._hashed_chunks(h):
@@ -484,6 +501,12 @@ def extra_weight_files(directory: str | os.PathLike[str]) -> list[str]:
     except OSError:
         return []
     return sorted(n for n in names if n.endswith(".safetensors") and n != ADAPTER_WEIGHTS)
+
+
+def _one_cuda_device(tensors: Mapping[str, torch.Tensor]) -> bool:
+    """Whether every tensor lives on one and the same GPU."""
+    devices = {t.device for t in tensors.values()}
+    return len(devices) == 1 and next(iter(devices)).type == "cuda"
 
 
 def _any_cuda(tensors: Mapping[str, torch.Tensor]) -> bool:

@@ -64,12 +64,21 @@ def choose_transport(
     except (AdapterRejectedError, LoraNotEnabledError) as exc:
         lora_refusal = exc
     if lora_refusal is None:
-        order = ("ipc", "disk") if caps.in_process else ("disk", "ipc")
+        # A GPU adapter goes device to device where the engine takes tensors on this host (CUDA
+        # IPC into the worker's GPU, or straight into an in-process worker): no byte crosses the
+        # host, which a disk publish of GPU tensors would cost (design invariant 14).
+        on_gpu = caps.tensor_load and caps.same_host and _one_gpu(adapter)
+        order = ("ipc", "disk") if caps.in_process or on_gpu else ("disk", "ipc")
         for name in order:
             transport = candidates[name]
             if transport is not None and transport.unsupported(caps) is None:
                 if name == "ipc":
-                    why = "in-process engine: tensors handed over directly" if caps.in_process else "engine loads adapters from shared memory"
+                    if caps.in_process:
+                        why = "in-process engine: tensors handed over directly"
+                    elif on_gpu:
+                        why = "GPU adapter, engine on this host: CUDA IPC into the engine's GPU (no host copy)"
+                    else:
+                        why = "engine loads adapters from shared memory"
                 else:
                     why = "engine loads LoRA at runtime from this host's tmpfs"
                 return transport, why
@@ -84,3 +93,9 @@ def choose_transport(
         engine=caps.engine,
         url=caps.url,
     )
+
+
+def _one_gpu(adapter: Adapter) -> bool:
+    """Whether every tensor of ``adapter`` lives on one and the same GPU."""
+    devices = {t.device for t in adapter.tensors.values()}
+    return len(devices) == 1 and next(iter(devices)).type == "cuda"

@@ -68,17 +68,19 @@ def export(
             LoRA needs the PEFT config it was trained with, which says what was targeted.
         dtype (`torch.dtype`, *optional*): cast the exported tensors.
         base_model_name_or_path (`str`, *optional*): recorded in ``adapter_config.json``.
-        copy (`bool`, defaults to `False`): copy CPU tensors. Without it the Adapter holds the
-            trainer's own CPU parameters (detached, no copy): publish it before the next
+        copy (`bool`, defaults to `False`): copy the tensors (on their own device). Without it the
+            Adapter holds the trainer's own parameters, on the CPU or the GPU where they are
+            (detached, no copy, no move to the host): publish it before the next
             optimizer step changes them (``publish`` returns once the engines serve the bytes it
             wrote; the content hash is taken from those bytes, never cached), and pass
             ``copy=True`` when the Adapter must outlive the step (a background publish, kept for
-            later). GPU, sharded and cast tensors are always copies.
+            later). Sharded and cast tensors are always copies.
         model_type (`str`, *optional*): the base model's ``config.json`` ``model_type``, which
             decides the fused-expert layout; read from the model when it is one.
 
     Returns:
-        `Adapter`: PEFT-keyed tensors on CPU, detached (the trainer's own memory unless ``copy``).
+        `Adapter`: PEFT-keyed tensors on the trainer's device, detached (the trainer's own memory
+        unless ``copy``).
 
     Raises:
         UnknownAdapterNameError: no LoRA weights for ``adapter_name``.
@@ -204,8 +206,9 @@ def _collect(items: Any, adapter_name: str, *, copy: bool) -> dict[str, torch.Te
         full = getattr(tensor, "full_tensor", None)
         if callable(full):  # DTensor (FSDP2 / TP): collective gather
             tensor = full()
-        # One copy at most: off-CPU tensors are copied by the move, CPU ones only when asked.
-        tensor = tensor.to("cpu") if tensor.device.type != "cpu" else tensor.clone() if copy else tensor
+        # Tensors stay where the trainer keeps them (a GPU adapter is never moved to the host here:
+        # design invariant 14; each transport moves what its engine needs, once). Copied only when asked.
+        tensor = tensor.clone() if copy else tensor
         if key in out and not torch.equal(out[key], tensor):
             # Two decorated names of one weight (e.g. with and without a wrapper prefix): which
             # one the trainer uses is unknowable, so neither is picked.

@@ -19,6 +19,7 @@ Example:
 from __future__ import annotations
 
 import os
+import sys
 import signal
 import socket
 import subprocess
@@ -185,6 +186,11 @@ class VLLMServer:
                 env.pop(name, None)
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default takes a large share of RAM
         env["PYTHONPATH"] = str(lorasync_import_root())  # never the trainer's (see the module docstring)
+        home = _vllm_home() if _same_python(self.python) else None
+        if home is not None:
+            # The engine runs on this very interpreter (a GPU machine with vLLM installed into a
+            # folder of its own, scripts/gpu-vllm-bundle.sh): it needs that folder, and only it.
+            env["PYTHONPATH"] = os.pathsep.join((env["PYTHONPATH"], home))
         for name, value in self.env_overrides.items():
             if value is None:
                 env.pop(name, None)
@@ -333,3 +339,28 @@ def _group_alive(pgid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _same_python(python: Any) -> bool:
+    """Whether ``python`` is the interpreter running this process."""
+    try:
+        return Path(python).resolve() == Path(sys.executable).resolve()
+    except (OSError, TypeError):
+        return False
+
+
+def _vllm_home() -> str | None:
+    """The folder this process imports vLLM from, when that folder is not one of the
+    interpreter's own (site-packages), else None."""
+    import importlib.util
+    import site
+
+    try:
+        spec = importlib.util.find_spec("vllm")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    home = str(Path(next(iter(spec.submodule_search_locations))).resolve().parent)
+    own = {str(Path(p).resolve()) for p in (*site.getsitepackages(), site.getusersitepackages()) if p}
+    return None if home in own else home

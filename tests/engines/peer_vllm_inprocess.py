@@ -107,6 +107,10 @@ def test_three_versions_keep_two_each_serving_peft_tokens(host: Any, engine: VLL
         (result,) = report.results
         assert (result.status, result.transport, report.served_name) == ("loaded", "ipc", f"policy@v{version}")
         served.append(report.served_name)
+        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0" and MODE == "llm":
+            # The worker runs in this process: tensors are handed over directly, never through
+            # shared memory, and the worker keeps its own copy (the caller's tensors may change).
+            assert engine._same_process()
         for prompt, want in zip(DATA["prompts"], expected):
             assert generate(host, engine, report.served_name, prompt) == want, (version, prompt)
     # Only the last two stay loaded, in lorasync's names and in vLLM's own adapter ids (once the

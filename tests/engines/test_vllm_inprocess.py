@@ -59,8 +59,8 @@ def data_file(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
     return path
 
 
-def _run_peer(vllm_python: Path, data_file: Path, mode: str, tmp_path: Path) -> None:
-    env = dict(os.environ)
+def _run_peer(vllm_python: Path, data_file: Path, mode: str, tmp_path: Path, **extra: str) -> None:
+    env = dict(os.environ, **extra)
     env.update(
         LORASYNC_INPROC_DATA=str(data_file),
         LORASYNC_INPROC_MODE=mode,
@@ -83,3 +83,10 @@ def test_vllm_llm_in_process(vllm_python: Path, data_file: Path, tmp_path: Path)
 
 def test_vllm_async_llm_in_process(vllm_python: Path, data_file: Path, tmp_path: Path) -> None:
     _run_peer(vllm_python, data_file, "async", tmp_path)
+
+
+def test_vllm_llm_in_this_very_process(vllm_python: Path, data_file: Path, tmp_path: Path) -> None:
+    """``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (verl's colocated rollout): the engine core and its
+    worker run in the trainer's process, where CUDA IPC cannot map the trainer's own memory; the
+    tensors are handed to the worker directly and served exactly."""
+    _run_peer(vllm_python, data_file, "llm", tmp_path, VLLM_ENABLE_V1_MULTIPROCESSING="0")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+import httpx
 import pytest
 import torch
 
@@ -45,16 +46,25 @@ def test_http_ipc_adapters_rebuilt_after_eviction_serve_peft_tokens(vllm_server:
         assert [_greedy(twice, p) for p in PROMPTS] != expected[-1]
     run = uuid.uuid4().hex[:8]
     names = [f"evict-{run}-{i}@v1" for i in range(vllm_server.max_cpu_loras + 1)]
+    def slot_writes() -> int:
+        answer = httpx.post(f"{vllm_server.url}/collective_rpc", json={"method": "lorasync_slot_writes", "args": []}, timeout=60)
+        assert answer.status_code == 200, answer.text
+        return int(answer.json()["results"][0])
+
     with VLLMEngine(vllm_server.url) as engine:
         assert engine.capabilities().tensor_load
         try:
             for i, name in enumerate(names):
                 engine.load_adapter_tensors(name, adapters[i % 2])
+            before = slot_writes()
             for _ in range(2):  # round robin over one adapter more than the LRU holds: each is a rebuild
                 for i, name in enumerate(names):
                     for prompt, want in zip(PROMPTS, expected[i % 2]):
                         got = engine.generate(prompt, model=name, max_tokens=NEW_TOKENS).token_ids
                         assert list(got) == want, (name, prompt)
+            # Every activation of a staged adapter (each one a rebuild here) went through
+            # lorasync's slot write into vLLM's stacked buffers, and served PEFT's tokens.
+            assert slot_writes() - before >= len(names)
         finally:
             for name in names:
                 if name in engine.list_adapters():

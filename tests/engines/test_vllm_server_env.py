@@ -77,3 +77,32 @@ def test_a_source_checkout_gives_the_engine_the_repository_root(tmp_path: Path) 
     assert env["PYTHONPATH"] == str(PACKAGE.parent) and env["EXTRA"] == "x"
     added = VLLMServer("unused", python=sys.executable, env={"PYTHONPATH": str(tmp_path)}).environment()
     assert added["PYTHONPATH"].split(os.pathsep) == [str(PACKAGE.parent), str(tmp_path)]  # asked for: added
+
+
+BUNDLE = """
+import json, os, subprocess, sys
+sys.path.insert(0, sys.argv[1])  # the bundle's folder, as PYTHONPATH=/tmp/site gives it on the GPU machine
+import vllm  # the fake one there
+from lorasync.testing.vllm_server import VLLMServer
+same = VLLMServer("unused", python=sys.executable).environment()["PYTHONPATH"].split(os.pathsep)
+other = VLLMServer("unused", python="/nonexistent/python3").environment()["PYTHONPATH"].split(os.pathsep)
+print(json.dumps({"same": same, "other": other}))
+"""
+
+
+def test_the_engine_on_this_interpreter_sees_the_folder_vllm_came_from(tmp_path: Path) -> None:
+    """On the GPU machine vLLM is installed into a folder of its own (scripts/gpu-vllm-bundle.sh,
+    ``PYTHONPATH=/tmp/site``) and the server runs on the trainer's interpreter: it must see that
+    folder (and no other of the trainer's), else it cannot import vLLM (issue 34, item 6). A server
+    on another interpreter (the CPU engine venv) gets nothing of it."""
+    import json
+
+    site = tmp_path / "site"
+    (site / "vllm").mkdir(parents=True)
+    (site / "vllm" / "__init__.py").write_text("__version__ = 'bundle'\n")
+    out = subprocess.run([sys.executable, "-c", BUNDLE, str(site)], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=str(PACKAGE.parent)))
+    assert out.returncode == 0, out.stderr[-2000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert str(site.resolve()) in seen["same"]
+    assert str(site.resolve()) not in seen["other"]

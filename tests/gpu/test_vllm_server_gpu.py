@@ -103,3 +103,45 @@ def test_merged_full_weights_within_bf16_tolerance_of_peft(engine, vllm_gpu_serv
     assert not verdict.problems, verdict.problems
     del base
     torch.cuda.empty_cache() if DEVICE == "cuda" else None
+
+
+def test_default_publish_of_export_is_device_to_device_exact(engine, vllm_gpu_server, qwen3_dir, base32, tmp_path, monkeypatch):
+    """What the README shows, on a GPU trainer: ``pub.publish(fsdp.export(model))`` with no
+    transport named. The export keeps the GPU tensors, the default picks CUDA IPC into the
+    engine's GPU, the content hash is taken on the GPU, and nothing of the adapter crosses to the
+    trainer's host memory (the profiler sees at most the hash's 16-byte result come back)."""
+    if DEVICE != "cuda":
+        pytest.skip("device-to-device needs the GPU")
+    import lorasync.engines.vllm._client as client
+
+    def no_host_copy(*args, **kwargs):
+        raise AssertionError("the publish fell back to a shared-memory copy")
+
+    monkeypatch.setattr(client, "to_shm_segment", no_host_copy)
+    model = peft_model(load_model(qwen3_dir), seed=5)
+    model32 = fp32_twin(model)
+    pub = Publisher([engine], name="gpu-default", root=tmp_path, keep=2)
+    try:
+        pub.publish(export(model), version=1).raise_for_errors()  # warm-up: allocator, kernels
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.mul_(-1.0)
+        model32 = fp32_twin(model)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            adapter = export(model)
+            assert {t.device.type for t in adapter.tensors.values()} == {"cuda"}
+            report = pub.publish(adapter, version=2).raise_for_errors()
+            torch.cuda.synchronize()
+        result = report.results[0]
+        assert result.transport == "ipc", result.reason
+        assert "CUDA IPC" in result.reason
+        d2h = [e for e in prof.events() if "DtoH" in e.name or "Device -> Pageable" in e.name or "Device -> Pinned" in e.name]
+        assert len(d2h) <= 1, [e.name for e in d2h]
+        prompt = prompt_ids(21, PROMPT_LEN, model.config.vocab_size)
+        served = ask(vllm_gpu_server, report.served_name, prompt)
+        verdict = compare(served, prompt, model, model32, base32, greedy(model, prompt, NEW_TOKENS))
+        check(verdict, "server-default-export", timings={**report.timings, **result.timings})
+    finally:
+        pub.close()

@@ -419,7 +419,12 @@ class VLLMInProcessEngine(StepDriver, Engine):
         experts = num_experts_of(getattr(self._core.vllm_config.model_config, "hf_text_config", None))
         tensors = fused_tensors(adapter, engine=self.kind, num_experts=experts) if is_3d else adapter.tensors
         staged = False
-        if one_cuda_device(tensors):
+        if self._same_process():
+            # The worker runs in this process: hand the tensors over directly (CUDA IPC cannot
+            # map a process's own memory; shared memory would take every byte to the host).
+            yield Step("collective_rpc", ("lorasync_stage_adapter_local",), kwargs={"args": (token, dict(tensors), config), "timeout": self.timeout})
+            staged = True
+        elif one_cuda_device(tensors):
             staged = yield from self._stage_cuda(token, tensors, config)
         if not staged:
             segment = to_shm_segment(tensors, {CONFIG_KEY: config})
@@ -435,6 +440,18 @@ class VLLMInProcessEngine(StepDriver, Engine):
             raise
         with self._lock:
             self._tokens[name] = token
+
+    def _same_process(self) -> bool:
+        """Whether the LLM's engine core and its one worker run in this process (a sync
+        ``vllm.LLM`` with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one uni-process worker): then
+        ``collective_rpc`` hands Python objects over as they are."""
+        if self.is_async:
+            return False
+        client = getattr(self._core, "engine_core", None)
+        if type(client).__name__ != "InprocClient":
+            return False
+        executor = getattr(getattr(client, "engine_core", None), "model_executor", None)
+        return type(executor).__name__ == "UniProcExecutor"
 
     def _stage_cuda(self, token: str, tensors: Mapping[str, Any], config: str) -> Op[bool]:
         """Hand a GPU adapter to the workers through CUDA IPC, the copy kept on their GPU (the

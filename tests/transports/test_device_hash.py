@@ -1,0 +1,72 @@
+"""The device hash (``dev128:``, lorasync.wire.device_hash): the same bytes give the same value
+whatever the chunking, and any change of a tensor's bytes, a key, a shape or the config changes it.
+Runs on the CPU here; tests/gpu checks the GPU gives the same lanes and keeps the bytes on the GPU."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lorasync import Adapter
+from lorasync._config import AdapterConfig
+from lorasync.wire import device_hash
+
+
+def _tensors(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for i, dtype in enumerate((torch.float32, torch.bfloat16, torch.float16)):
+        k = f"base_model.model.model.layers.{i}.mlp.down_proj"
+        out[f"{k}.lora_A.weight"] = torch.randn(3, 7 + i, generator=g).to(dtype)  # odd sizes: padding
+        out[f"{k}.lora_B.weight"] = torch.randn(5, 3, generator=g).to(dtype)
+    return out
+
+
+def test_lanes_do_not_depend_on_the_chunking() -> None:
+    t = list(_tensors().values())
+    whole = device_hash.lanes(t)
+    for chunk in (1, 8, 24, 100, 1 << 20):
+        assert device_hash.lanes(t, chunk_bytes=chunk) == whole
+
+
+@settings(max_examples=60, deadline=None)
+@given(which=st.integers(0, 5), position=st.integers(0, 10_000), bit=st.integers(0, 7))
+def test_any_flipped_bit_changes_the_lanes(which: int, position: int, bit: int) -> None:
+    t = _tensors()
+    keys = sorted(t)
+    before = device_hash.lanes([t[k] for k in keys])
+    key = keys[which]
+    raw = t[key].contiguous().view(-1).view(torch.uint8).clone()
+    raw[position % raw.numel()] ^= 1 << bit
+    t[key] = raw.view(t[key].dtype).view(t[key].shape)
+    after = device_hash.lanes([t[k] for k in keys])
+    assert after[0] != before[0] and after[1] != before[1]
+
+
+def test_swapped_words_and_moved_rows_change_the_lanes() -> None:
+    a = torch.arange(16, dtype=torch.float32).reshape(4, 4)
+    b = a.flip(0).contiguous()  # the same values, rows moved
+    assert device_hash.lanes([a]) != device_hash.lanes([b])
+    assert device_hash.lanes([a, b]) != device_hash.lanes([b, a])
+
+
+def test_digest_covers_the_header() -> None:
+    t = _tensors()
+    assert device_hash.tensors_digest(t, b"one") != device_hash.tensors_digest(t, b"two")
+    assert device_hash.tensors_digest(t, b"one") == device_hash.tensors_digest(dict(reversed(list(t.items()))), b"one")
+
+
+def test_an_adapter_matches_its_device_digest_and_not_after_a_change() -> None:
+    t = _tensors()
+    t = {k: v.float() for k, v in t.items()}
+    adapter = Adapter(t, AdapterConfig(r=3, lora_alpha=6))
+    digest = adapter._device_hash()
+    assert digest.startswith(device_hash.PREFIX)
+    assert adapter.matches_hash(digest)
+    assert adapter.content_hash != digest  # a CPU adapter keeps the host hash; the two kinds never compare equal
+    other = Adapter(t, AdapterConfig(r=3, lora_alpha=7))  # same bytes, another scale
+    assert not other.matches_hash(digest)
+    with torch.no_grad():
+        next(iter(t.values())).view(-1)[0] += 1.0
+    assert not adapter.matches_hash(digest)
