@@ -42,7 +42,9 @@ _SLOT_LAYERS = frozenset(
 
 
 def install_slot_write(adapter_manager: Any) -> None:
-    if getattr(adapter_manager, "_lorasync_slot_write", False):
+    """Route activations of lorasync-staged adapters of ``adapter_manager`` (vLLM's
+    ``LoRAModelManager``) through the slot write; a manager of another shape is left alone."""
+    if adapter_manager is None or getattr(adapter_manager, "_lorasync_slot_write", False):
         return
     if not all(hasattr(adapter_manager, a) for a in ("modules", "lora_index_to_id", "_active_adapters", "_registered_adapters")):
         return  # a vLLM whose manager looks otherwise: its own activation only

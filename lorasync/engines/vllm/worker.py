@@ -204,7 +204,7 @@ def _install_loader(worker: Any) -> None:
         return _load_staged(self, lora_request, path[len(IPC_PREFIX) :])
 
     manager._load_adapter = types.MethodType(_load_adapter, manager)
-    install_slot_write(manager._adapter_manager)
+    install_slot_write(getattr(manager, "_adapter_manager", None))
     manager._lorasync_installed = True
 
 
