@@ -28,7 +28,7 @@ from lorasync._capacity import plan_room
 from lorasync._files import VersionFiles
 from lorasync._leaks import SlotLeaks
 from lorasync._names import parse_served_name, served_name
-from lorasync._probe import Probe
+from lorasync._probe import Probe, run_probe
 from lorasync._retention import LEARN, Ledger, Retention, RetentionWarning, plan
 from lorasync.engines._engine import Capabilities, Engine, is_in_process_id
 from lorasync.errors import AdapterNotFoundError, EngineError, StaleVersionError, VerificationError
@@ -265,20 +265,13 @@ class EngineHandle:
                 self.files.released(parsed[1], self.engine_id, reloads=self.reloads)
 
     async def verify(self, ledger: Ledger, transport: Transport, probe: Probe, version: int, *, previous: tuple[int, str, object] | None, caps: Capabilities) -> None:
-        """Check the trainer's probe through the engine. Only a pass counts (design invariant 11):
-        a mismatch, or a probe that cannot run (its generate errors or times out: the engine is
-        busy), takes the version out of service (:meth:`take_out`). A cancel is the caller's.
-
-        Raises:
-            VerificationError: no pass (a probe that could not run is chained); the version was taken out.
+        """Check the trainer's probe through the engine. Only a pass counts (design invariant 11): a
+        mismatch or a probe that cannot run (its generate errors or times out: the engine is busy)
+        takes the version out (:meth:`take_out`; a cancel is the caller's) and raises VerificationError.
         """
         in_place = isinstance(transport, InPlaceTransport)
         asked = self.name if in_place else (served_name(self.name, version) if transport.versioned else None)
-        try:
-            ids, logprobs = await self.engine.agreedy(asked, list(probe.prompt_ids), len(probe.expected_ids))
-            why, cause = probe.mismatch(ids, logprobs), None
-        except Exception as exc:  # noqa: BLE001 - unverified, whatever the engine raised
-            why, cause = f"the probe could not run ({type(exc).__name__}: {exc}); publish again once the engine answers", exc
+        why, cause = await run_probe(self.engine, probe, asked)
         if why is None:
             return
         done = await self.take_out(ledger, transport, version, caps=caps, previous=previous)
@@ -287,14 +280,18 @@ class EngineHandle:
         message = f"{self.where} does not reproduce the trainer's probe for {what}: {why}. {done}{hint}."
         raise VerificationError(message, engine=self.engine.kind, url=self.engine.url, adapter=asked) from cause
 
-    async def take_out(self, ledger: Ledger, transport: Transport, version: int, *, caps: Capabilities, previous: tuple[Any, ...] | None) -> str:
-        """:meth:`withdraw` a version that did not pass verification. If that fails too, nothing of
-        it counts as served: a versioned name stays in ``ledger.unverified`` (no hash, retired
-        first, withdrawn again before the next load); in place or merged nothing is remembered.
+    async def verify_served(self, probe: Probe, served: str | None) -> None:
+        """Raise VerificationError unless what serves identical content (``served``; None: the merged
+        base) reproduces the probe: "unchanged" is reported only after a pass. Nothing is moved."""
+        why, cause = await run_probe(self.engine, probe, served)
+        if why is not None:
+            message = f"{self.where} serves identical content as {served or 'the merged base'} but does not reproduce the trainer's probe: {why}. Nothing was changed."
+            raise VerificationError(message, engine=self.engine.kind, url=self.engine.url, adapter=served) from cause
 
-        Raises:
-            VerificationError: the withdrawal failed (its error chained).
-        """
+    async def take_out(self, ledger: Ledger, transport: Transport, version: int, *, caps: Capabilities, previous: tuple[Any, ...] | None) -> str:
+        """:meth:`withdraw` a version that did not pass verification. If that fails too (raised as
+        VerificationError), nothing of it counts as served: a versioned name stays in
+        ``ledger.unverified`` (no hash, retired first, withdrawn before the next load)."""
         if transport.versioned:
             ledger.unverified.add(version)
         try:

@@ -309,6 +309,9 @@ class Publisher(PublisherLife):
             result.status = "unchanged"
             result.served_name = served_name(self.name, ledger.newest()) if transport.versioned else (self.name if self.in_place else "")  # type: ignore[arg-type]
             result.reason = f"already serving identical content ({digest[:12]}); nothing moved"
+            if probe is not None:  # reported served only once the engine reproduces the probe (invariant 11)
+                await handle.verify_served(probe, result.served_name or None)
+                result.reason += "; verified through the engine"
             return None
         ledger.check_monotonic(self.name, versioned=transport.versioned, version=version, digest=digest)
         if transport.versioned:
