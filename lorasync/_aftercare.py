@@ -117,7 +117,7 @@ class Aftercare:
         for engine in self.engines if not self.in_place else ():
             ledger, handle = self._ledgers[id(engine)], self._handles[id(engine)]
             with contextlib.suppress(LoraSyncError):
-                if resync:
+                if resync or ledger.unverified:  # versions a failed verification left loaded go too
                     await handle.sync(ledger)
                 if ledger.synced:
                     done, waiting = await handle.retire(ledger, self.retention, self.pins(), closing=closing)

@@ -28,7 +28,7 @@ from lorasync._capacity import plan_room
 from lorasync._files import VersionFiles
 from lorasync._leaks import SlotLeaks
 from lorasync._names import parse_served_name, served_name
-from lorasync._probe import Probe
+from lorasync._probe import Probe, run_probe
 from lorasync._retention import LEARN, Ledger, Retention, RetentionWarning, plan
 from lorasync.engines._engine import Capabilities, Engine, is_in_process_id
 from lorasync.errors import AdapterNotFoundError, EngineError, StaleVersionError, VerificationError
@@ -108,11 +108,13 @@ class EngineHandle:
             parsed = parse_served_name(name)
             if parsed is not None and parsed[0] == self.name:
                 listed.append(parsed[1])
-        found = {v: self._hash_of(ledger, v, sources, just_loaded=just_loaded) for v in listed}
+        # A version whose verification did not pass has no hash: it is never served ``unchanged``.
+        found = {v: None if v in ledger.unverified else self._hash_of(ledger, v, sources, just_loaded=just_loaded) for v in listed}
         for lost in set(ledger.versions) - set(found):
             self.files.released(lost, self.engine_id, reloads=self.reloads)  # restarted or unloaded by someone else
         ledger.versions = found
         ledger.sources = {v: src for v, src in ledger.sources.items() if v in found}
+        ledger.unverified &= set(found)
         for version in list(ledger.left_window):
             if version not in found:
                 del ledger.left_window[version]
@@ -263,34 +265,53 @@ class EngineHandle:
                 self.files.released(parsed[1], self.engine_id, reloads=self.reloads)
 
     async def verify(self, ledger: Ledger, transport: Transport, probe: Probe, version: int, *, previous: tuple[int, str, object] | None, caps: Capabilities) -> None:
-        """Check the trainer's probe through the engine; on a mismatch put things back and raise.
-
-        Raises:
-            VerificationError: the engine does not reproduce the probe (the new version was taken
-                out of service: unloaded, or the previous in-place or merged weights put back).
+        """Check the trainer's probe through the engine. Only a pass counts (design invariant 11): a
+        mismatch or a probe that cannot run (its generate errors or times out: the engine is busy)
+        takes the version out (:meth:`take_out`; a cancel is the caller's) and raises VerificationError.
         """
         in_place = isinstance(transport, InPlaceTransport)
         asked = self.name if in_place else (served_name(self.name, version) if transport.versioned else None)
-        ids, logprobs = await self.engine.agreedy(asked, list(probe.prompt_ids), len(probe.expected_ids))
-        why = probe.mismatch(ids, logprobs)
+        why, cause = await run_probe(self.engine, probe, asked)
         if why is None:
             return
-        if in_place:
-            done = await self.put_back(ledger, transport, previous)
+        done = await self.take_out(ledger, transport, version, caps=caps, previous=previous)
+        what = f"{self.name} v{version}" if in_place else (asked or "the merged base")
+        hint = "" if cause else "; check scaling (use_rslora / alpha patterns: see normalize_scaling), dtype and the base model"
+        message = f"{self.where} does not reproduce the trainer's probe for {what}: {why}. {done}{hint}."
+        raise VerificationError(message, engine=self.engine.kind, url=self.engine.url, adapter=asked) from cause
+
+    async def verify_served(self, probe: Probe, served: str | None) -> None:
+        """Raise VerificationError unless what serves identical content (``served``; None: the merged
+        base) reproduces the probe: "unchanged" is reported only after a pass. Nothing is moved."""
+        why, cause = await run_probe(self.engine, probe, served)
+        if why is not None:
+            message = f"{self.where} serves identical content as {served or 'the merged base'} but does not reproduce the trainer's probe: {why}. Nothing was changed."
+            raise VerificationError(message, engine=self.engine.kind, url=self.engine.url, adapter=served) from cause
+
+    async def take_out(self, ledger: Ledger, transport: Transport, version: int, *, caps: Capabilities, previous: tuple[Any, ...] | None) -> str:
+        """:meth:`withdraw` a version that did not pass verification. If that fails too (raised as
+        VerificationError), nothing of it counts as served: a versioned name stays in
+        ``ledger.unverified`` (no hash, retired first, withdrawn before the next load)."""
+        if transport.versioned:
+            ledger.unverified.add(version)
+        try:
+            return await self.withdraw(ledger, transport, version, caps=caps, previous=previous)
+        except Exception as exc:
+            if not transport.versioned:
+                ledger.in_place = ledger.in_place_source = ledger.merged = None
+            ledger.synced = False
             raise VerificationError(
-                f"{self.engine.kind} does not reproduce the trainer's probe for {self.name} v{version}: {why}; {done}",
+                f"{self.where}: {self.name} v{version} did not pass its verification and taking it out of service failed "
+                f"too ({type(exc).__name__}: {exc}); it may still serve, unverified: it is withdrawn again before the next load",
                 engine=self.engine.kind,
                 url=self.engine.url,
                 adapter=self.name,
-            )
-        done = await self.withdraw(ledger, transport, version, caps=caps, previous=previous)
-        raise VerificationError(
-            f"{self.where} does not reproduce the trainer's probe for {asked or 'the merged base'}: {why}. {done}; "
-            "check scaling (use_rslora / alpha patterns: see normalize_scaling), dtype and the base model.",
-            engine=self.engine.kind,
-            url=self.engine.url,
-            adapter=asked,
-        )
+            ) from exc
+
+    async def withdraw_unverified(self, ledger: Ledger) -> None:
+        """Unload what a failed withdrawal left loaded, unverified (before anything new loads)."""
+        if left := sorted(ledger.unverified & set(ledger.versions)):
+            await self.unload(ledger, left)
 
     async def withdraw(self, ledger: Ledger, transport: Transport, version: int, *, caps: Capabilities, previous: tuple[Any, ...] | None) -> str:
         """Take the version just delivered out of service; ``previous``: the ledger's in-place

@@ -218,3 +218,17 @@ def check_max_tokens(max_tokens: object, *, what: str = "max_tokens") -> None:
     """Raises ConfigError unless ``max_tokens`` is an int >= 1 (not a bool)."""
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise ConfigError(f"{what} must be an int >= 1 (tokens the probe decodes), got {max_tokens!r}")
+
+
+async def run_probe(engine: Any, probe: Probe, name: str | None) -> tuple[str | None, Exception | None]:
+    """Run ``probe`` through ``engine`` on adapter ``name`` (None: the base model).
+
+    Returns:
+        ``(why, cause)``: ``why`` is None only on a pass (design invariant 11: a probe that cannot
+        run verifies nothing); ``cause`` is the error that kept it from running, if any.
+    """
+    try:
+        ids, logprobs = await engine.agreedy(name, list(probe.prompt_ids), len(probe.expected_ids))
+        return probe.mismatch(ids, logprobs), None
+    except Exception as exc:  # noqa: BLE001 - unverified, whatever the engine raised
+        return f"the probe could not run ({type(exc).__name__}: {exc}); publish again once the engine answers", exc

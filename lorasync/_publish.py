@@ -47,7 +47,7 @@ from lorasync._select import TRANSPORTS, choose_transport
 from lorasync._session import PublisherLife, refuse_duplicates
 from lorasync.engines._engine import Capabilities, Engine
 from lorasync.engines._registry import parse_engine_spec
-from lorasync.errors import ConfigError
+from lorasync.errors import ConfigError, VerificationError
 from lorasync.transports._transport import Transport, finish
 from lorasync.transports._base_weights import BaseWeights
 from lorasync.transports._store import DiskStore
@@ -233,6 +233,8 @@ class Publisher(PublisherLife):
             )
             if report.ok:
                 self._note_served(version, report.served_name, content_hash)  # lease(version) names what serves it
+            elif any(isinstance(r.error, VerificationError) for r in results):
+                self._note_unverified(version)  # not served where it failed: lease(version) refuses it
             # The new version serves: what is left (re-listing, retirement, file collection) runs
             # after this call returns, and the next publish waits for it before touching anything.
             after = self._care.after(done, version, timings)
@@ -289,6 +291,7 @@ class Publisher(PublisherLife):
         fresh = not ledger.synced
         if transport.versioned:
             await handle.sync(ledger)
+            await handle.withdraw_unverified(ledger)  # an earlier withdrawal that failed: before anything loads
             self._files.sweep_orphans(self._care.engine_lists())
         t_hash = time.perf_counter()
         # A new version (every training step) is written now and hashed in the same pass; its
@@ -306,6 +309,9 @@ class Publisher(PublisherLife):
             result.status = "unchanged"
             result.served_name = served_name(self.name, ledger.newest()) if transport.versioned else (self.name if self.in_place else "")  # type: ignore[arg-type]
             result.reason = f"already serving identical content ({digest[:12]}); nothing moved"
+            if probe is not None:  # reported served only once the engine reproduces the probe (invariant 11)
+                await handle.verify_served(probe, result.served_name or None)
+                result.reason += "; verified through the engine"
             return None
         ledger.check_monotonic(self.name, versioned=transport.versioned, version=version, digest=digest)
         if transport.versioned:
@@ -336,17 +342,19 @@ class Publisher(PublisherLife):
             raise
         result.timings.update(delivery.timings)
         result.bytes_moved, result.served_name = delivery.bytes_moved, delivery.served_name
+        path = self._files.path_of(version) if with_files or files else None
         try:
             if payload is adapter and not (transport is self._disk and hashing.from_write) and (torn := hashing.changed()) is not None:
                 await handle.withdraw(ledger, transport, version, caps=caps, previous=previous)  # it read tensors that changed
                 raise hashing.error(torn, f"while {result.engine} loaded them")
-            path = self._files.path_of(version) if with_files or files else None
-            await handle.delivered(ledger, transport, version, digest, path=path, restore=path if files else payload)
             if probe is not None:
                 t0 = time.perf_counter()
                 await handle.verify(ledger, transport, probe, version, previous=previous, caps=caps)
                 result.timings["verify"] = time.perf_counter() - t0
                 result.reason += "; verified through the engine"
+            # Counted as served only now (design invariant 11): what is recorded here is reported
+            # ``unchanged`` by later publishes, leased and restored from.
+            await handle.delivered(ledger, transport, version, digest, path=path, restore=path if files else payload)
         except asyncio.CancelledError:
             if probe is not None:  # cancelled before the probe passed: never leave unverified weights serving
                 await self._withdraw_cancelled(handle, ledger, transport, version, caps=caps, previous=previous)
@@ -358,7 +366,7 @@ class Publisher(PublisherLife):
         """Take a version whose verification was cancelled out of service (in place and merged:
         the previous weights back), to its end even if cancelled again."""
         try:
-            await finish(handle.withdraw(ledger, transport, version, caps=caps, previous=previous))
+            await finish(handle.take_out(ledger, transport, version, caps=caps, previous=previous))
         except asyncio.CancelledError:
             pass  # it finished; the caller re-raises the cancel it is handling
         except Exception as exc:  # noqa: BLE001 - the cancel goes on; say what is left serving

@@ -10,6 +10,8 @@ request on it may still run or an engine may still reload it):
 
 * The window is the ``keep`` newest loaded versions, every pinned version, and every version
   within ``max_staleness`` of the newest. Nothing in the window is ever unloaded.
+* A version whose verification did not pass (``Ledger.unverified``) is in no window: it goes
+  at the next retirement, requests or not (nothing may rightly use it).
 * A version outside the window is unloaded only when the engine reports no running or waiting
   request on it (:meth:`lorasync.engines.Engine.adapters_in_use`). An engine that cannot tell is
   given ``grace`` seconds from the moment the version left the window.
@@ -132,6 +134,9 @@ class Ledger:
     # or the Adapter it was published from (restored only through a copy that still has the hash).
     in_place: tuple[int, str, object] | None = None
     in_place_source: str | None = None  # the engine's source of the in-place name after our swap
+    # Versions whose verification did not pass (design invariant 11) and that the engine may still
+    # list because taking them out failed: no hash, outside every window, unloaded first.
+    unverified: set[int] = field(default_factory=set)
 
     def newest(self) -> int | None:
         return max(self.versions, default=None)
@@ -140,6 +145,7 @@ class Ledger:
         self.versions.pop(version, None)
         self.sources.pop(version, None)
         self.left_window.pop(version, None)
+        self.unverified.discard(version)
 
     def unchanged(self, *, versioned: bool, version: int, digest: str) -> bool:
         """The engine already serves identical content at ``version`` or below: nothing to move."""
@@ -210,7 +216,7 @@ def plan(
     Returns:
         `Plan`: versions to unload (oldest first) and versions deferred.
     """
-    window = policy.window(list(ledger.versions), pins)
+    window = policy.window([v for v in ledger.versions if v not in ledger.unverified], pins)
     out = sorted(v for v in ledger.versions if v not in window)
     for v in list(ledger.left_window):
         if v not in out:
@@ -218,6 +224,9 @@ def plan(
     result = Plan()
     waiting: list[int] = []
     for v in out:
+        if v in ledger.unverified:  # never served verified: nothing may rightly use it
+            result.unload.append(v)
+            continue
         since = ledger.left_window.setdefault(v, now)
         if in_use is None:
             busy = (now - since) < policy.grace and not closing and not drains

@@ -26,7 +26,7 @@ from lorasync._lifecycle import Lifecycle, async_entry
 from lorasync._loop import LoopLock, LoopThread, held
 from lorasync._names import parse_served_name, served_name, validate_version
 from lorasync.engines._engine import Engine
-from lorasync.errors import ConfigError, LoraSyncError
+from lorasync.errors import ConfigError, LoraSyncError, VerificationError
 from lorasync.transports._store import DiskStore
 
 if TYPE_CHECKING:
@@ -54,6 +54,7 @@ class PublisherLife:
         """Make the parts this class uses (called by the publisher's constructor)."""
         self._pins = {}
         self._served_as: dict[int, int] = {}  # version -> the earlier version whose name serves its content
+        self._unverified: dict[int, None] = {}  # versions whose last publish failed verification (lease refuses them)
         self._on_served: Callable[[int, str, str], None] | None = None  # a Fleet's tenant: see _note_served
         self._pins_guard = threading.Lock()  # held for a dict update only, never across an await
         self._lock = LoopLock()
@@ -96,6 +97,9 @@ class PublisherLife:
         publish of ``version`` was "unchanged" (that version is pinned then), the plain name in
         place.
 
+        Raises:
+            VerificationError: the last publish of ``version`` failed its verification (it is not served).
+
         Example:
             >>> with pub.lease(step) as model:  # doctest: +SKIP
             ...     rollouts = sample(model=model)
@@ -129,11 +133,27 @@ class PublisherLife:
                     del self._served_as[next(iter(self._served_as))]
             else:
                 self._served_as.pop(version, None)
+            self._unverified.pop(version, None)
         if self._on_served is not None:  # before the previous version retires (a Fleet's Tenant.version)
             self._on_served(version, served, content_hash)
 
+    def _note_unverified(self, version: int) -> None:
+        """``version``'s publish failed verification on some engine: it is not served there, so
+        :meth:`lease` refuses it until a publish of it is ok (design invariant 11)."""
+        with self._pins_guard:
+            self._served_as.pop(version, None)
+            self._unverified[version] = None
+            while len(self._unverified) > _SERVED_AS_KEPT:
+                del self._unverified[next(iter(self._unverified))]
+
     def _serving(self, version: int) -> int:
         with self._pins_guard:
+            if version in self._unverified:
+                raise VerificationError(
+                    f"{self.name} v{version} did not pass its verification (see its report), so it is not served; "
+                    "lease the version of the last ok report, or publish this one again",
+                    adapter=served_name(self.name, version),
+                )
             return self._served_as.get(version, version)
 
     def _name_of(self, version: int) -> str:

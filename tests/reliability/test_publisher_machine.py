@@ -48,6 +48,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -55,7 +56,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from lorasync import Probe, Publisher
 from lorasync.engines.peft import PeftEngine
-from lorasync.errors import AdapterChangedError, EngineUnavailableError, LoraSyncError, PublisherClosedError, VerificationError
+from lorasync.errors import AdapterChangedError, EngineError, EngineTimeoutError, EngineUnavailableError, LoraSyncError, PublisherClosedError, StaleVersionError, VerificationError
 from lorasync.exporters.fsdp import export
 from lorasync.transports import BaseWeights
 from lorasync.transports._fold import fold_module
@@ -80,12 +81,19 @@ def _base_dir() -> Path:
 
 
 class MachineEngine(PeftEngine):
-    """The PEFT engine, with two faults a test may arm: a step of the trainer landing inside a
-    load (``during``), and the ``fail_at``-th merged weight update failing."""
+    """The PEFT engine, with three faults a test may arm: a step of the trainer landing inside a
+    load (``during``), the ``fail_at``-th merged weight update failing, and the probe's generate
+    raising (``probe_fault``: an engine error, or a timeout as when it is busy with rollouts)."""
 
     during: Any = None
     fail_at: int | None = None
     updates = 0
+    probe_fault: Exception | None = None
+
+    def greedy(self, name, prompt_ids, max_tokens):
+        if self.probe_fault is not None:
+            raise self.probe_fault
+        return super().greedy(name, prompt_ids, max_tokens)
 
     def load_adapter_tensors(self, name, adapter):
         self._during()
@@ -222,17 +230,50 @@ class PublisherMachine(RuleBasedStateMachine):
             verify = Probe.from_model(job.model, PROMPT, max_tokens=4)
         elif probe == "failing":
             verify = Probe(prompt_ids=PROMPT, expected_ids=[t ^ 1 for t in tokens])
+        elif probe in ("erroring", "timing out"):  # a probe that would pass, but its generate call fails
+            verify = Probe(prompt_ids=PROMPT, expected_ids=tokens)
+            fault = EngineTimeoutError("did not answer within 0.5s (busy with rollouts)", engine="peft") if probe == "timing out" else EngineError("generate failed", engine="peft")
+            self.engine.probe_fault = fault
         self.engine.during, self.claim = during, None
         self._attempt(job, tensors)
-        report = self.call(lambda: job.publisher.publish(export(job.model), version=job.version, verify=verify).settled(CALL_TIMEOUT_S))
-        self.engine.during = None
-        if probe == "failing" and report.results[0].status != "unchanged":  # nothing moved: nothing to verify
-            assert not report.ok and isinstance(report.results[0].error, VerificationError), report
+        before = self._snapshot()
+        try:
+            report = self.call(lambda: job.publisher.publish(export(job.model), version=job.version, verify=verify).settled(CALL_TIMEOUT_S))
+        finally:
+            self.engine.during = self.engine.probe_fault = None
+        if probe in ("failing", "erroring", "timing out"):
+            # Only a pass counts (invariant 11), "unchanged" included: never ok, never loaded, and
+            # what served before serves still, exactly (the previous version back from its snapshot).
+            result = report.results[0]
+            assert not report.ok and (isinstance(result.error, VerificationError) or self._collided(job, result)), report
+            after = self._snapshot()
+            if self.mode.startswith("in-place") and "unloaded" in str(result.error):  # no copy of the previous version was kept: nothing serves
+                assert "p" not in after, f"{probe} probe: {result.error}, yet p serves"
+            else:
+                assert after.keys() == before.keys() and all(same(after[k], before[k]) for k in before), (
+                    f"{probe} probe: the engine does not serve what it served before ({sorted(before)} -> {sorted(after)}): {result.error}"
+                )
+            if isinstance(result.error, VerificationError):
+                with pytest.raises(VerificationError):  # never leased
+                    with job.publisher.lease(job.version):
+                        pass
         self.check(job, report, tensors, tokens)
+
+    def _collided(self, job: Job, result: Any) -> bool:
+        """The other job already serves this version number or a newer one on the shared name:
+        refused before anything moved (StaleVersionError), whatever the probe."""
+        return isinstance(result.error, StaleVersionError) and any(j is not job and j.version >= job.version for j in self.jobs)
+
+    def _snapshot(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Everything the engine serves under the adapter's names (merged: the base weights)."""
+        if self.mode == "merged":
+            with self.engine._lock:
+                return {"base": {n: p.detach().clone() for n, p in self.engine.model.named_parameters() if ".lora_" not in n}}
+        return {n: self._served(n) for n in self.engine.list_adapters() if re.fullmatch(r"p(@v\d+)?", n)}
 
     # -- rules ---------------------------------------------------------------------------------------
 
-    @rule(data=st.data(), probe=st.sampled_from(["none", "none", "passing", "failing"]))
+    @rule(data=st.data(), probe=st.sampled_from(["none", "none", "passing", "failing", "erroring", "timing out"]))
     def publish(self, data: st.DataObject, probe: str) -> None:
         self._publish(data.draw(st.sampled_from(self.jobs)), probe=probe)
 
@@ -266,7 +307,7 @@ class PublisherMachine(RuleBasedStateMachine):
         if result.ok:  # nothing loaded (identical content), or an owned copy was (in place, armed): the bytes before the step
             self.check(job, report, tensors, tokens)
         else:
-            assert isinstance(result.error, AdapterChangedError), f"a step inside the load ended in {result.error!r}"
+            assert isinstance(result.error, AdapterChangedError) or self._collided(job, result), f"a step inside the load ended in {result.error!r}"
             self._check_failed(job, result)
 
     @precondition(lambda self: self.mode == "merged")
