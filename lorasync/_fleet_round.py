@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from lorasync._adapter import Adapter
+from lorasync._digest import PublishDigest
 from lorasync._fleet_hash import Gate, HashJob, scan
 from lorasync._fleet_plan import FleetReport, TenantReport
 from lorasync._names import validate_version
@@ -37,31 +38,34 @@ async def publish_round(fleet: Fleet, report: FleetReport, adapters: Mapping[str
     hashed. With one, every hash is known first: the plan needs every stepping tenant."""
     early = not await limited(fleet)
     copy = not await by_files(fleet)
-    stepping: dict[str, tuple[Adapter, int, bool]] = {}
+    stepping: dict[str, tuple[Adapter, int, bool, PublishDigest | None]] = {}
     started: list[asyncio.Future[None]] = []
     unexpected: list[BaseException] = []
     gate = Gate() if early else None
 
-    def changed(name: str, adapter: Adapter | None, digest: str | None, error: BaseException | None) -> None:
-        tenant = fleet.tenants[name]
+    def changed(name: str, adapter: Adapter | None, digest: PublishDigest | None, error: BaseException | None) -> None:
+        # A loop callback: whatever goes wrong here must reach the round (never the loop's
+        # exception handler), and the gate a worker held for this tenant must be released, or
+        # the other workers and the round wait for ever.
         try:
+            tenant = fleet.tenants[name]
             if error is not None:
                 raise error
             version = validate_version(versions[name])
             if tenant.version is not None and version <= tenant.version:
                 raise StaleVersionError(f"{name} v{version} would replace v{tenant.version} with other content; versions must increase. Nothing was sent.", adapter=name, version=version, newest=tenant.version)
+            assert adapter is not None
+            stepping[name] = (adapter, version, copy, digest)
+            if early:
+                started.append(asyncio.ensure_future(step(tenant, report, adapter, version, probes.get(name), owned=copy, digest=digest, gate=gate)))
         except BaseException as exc:  # noqa: BLE001 - raised by the round once its publishes ended
-            if gate is not None and adapter is not None:
+            if gate is not None and adapter is not None and name not in stepping:
                 gate.release()  # the worker held it for this tenant, which publishes nothing
-            if not isinstance(exc, LoraSyncError):
+            if not isinstance(exc, LoraSyncError) or name not in fleet.tenants:
                 unexpected.append(exc)
                 return
+            tenant = fleet.tenants[name]
             report.tenants[name] = TenantReport(name, tenant.registration, "failed", tenant.version, tenant.served_name, error=exc)  # this tenant alone
-            return
-        assert adapter is not None
-        stepping[name] = (adapter, version, copy)
-        if early:
-            started.append(asyncio.ensure_future(step(tenant, report, adapter, version, probes.get(name), owned=copy, gate=gate)))
 
     jobs = [HashJob(name, adapter, fleet.tenants[name].content_hash, copy) for name, adapter in adapters.items()]
     try:
@@ -89,7 +93,7 @@ async def publish_round(fleet: Fleet, report: FleetReport, adapters: Mapping[str
         raise unexpected[0]
 
 
-async def run_round(fleet: Fleet, report: FleetReport, stepping: Mapping[str, tuple[Adapter, int, bool]], probes: Mapping[str, Probe], *, started: Sequence[asyncio.Future[None]] = (), skip: Iterable[str] = ()) -> None:
+async def run_round(fleet: Fleet, report: FleetReport, stepping: Mapping[str, tuple[Adapter, int, bool, PublishDigest | None]], probes: Mapping[str, Probe], *, started: Sequence[asyncio.Future[None]] = (), skip: Iterable[str] = ()) -> None:
     """Plan for ``stepping`` and publish it; restore the tenants, not stepping nor in
     ``skip``, that an engine lost; wait for ``started`` publishes too."""
     listings = await list_all(fleet.engines)
@@ -98,8 +102,8 @@ async def run_round(fleet: Fleet, report: FleetReport, stepping: Mapping[str, tu
         name for name, t in fleet.tenants.items()
         if name not in skip and t.version is not None and not t.retiring and any(ls is not None and t.served_name not in ls for ls in listings)
     }
-    report.unloaded = await fleet._plan(listings, {n: v for n, (_, v, _) in stepping.items()})
-    jobs = [step(fleet.tenants[n], report, adapter, v, probes.get(n), owned=owned) for n, (adapter, v, owned) in stepping.items()]
+    report.unloaded = await fleet._plan(listings, {n: v for n, (_, v, _, _) in stepping.items()})
+    jobs = [step(fleet.tenants[n], report, adapter, v, probes.get(n), owned=owned, digest=digest) for n, (adapter, v, owned, digest) in stepping.items()]
     jobs += [restore(fleet.tenants[n], report) for n in sorted(lost)]
     await asyncio.gather(*started, *jobs)
 

@@ -14,6 +14,7 @@ import warnings
 from collections.abc import Iterator, Sequence
 
 from lorasync._adapter import Adapter
+from lorasync._digest import PublishDigest
 from lorasync._fleet_hash import Gate, content_hash
 from lorasync._fleet_plan import FleetReport, TenantReport
 from lorasync._names import served_name, validate_version
@@ -193,11 +194,12 @@ def files_only(publisher: Publisher, caps: Sequence[Capabilities]) -> bool:
     return True
 
 
-async def step(tenant: Tenant, report: FleetReport, adapter: Adapter, version: int, probe: Probe | None, *, owned: bool, gate: Gate | None = None) -> None:
+async def step(tenant: Tenant, report: FleetReport, adapter: Adapter, version: int, probe: Probe | None, *, owned: bool, digest: PublishDigest | None = None, gate: Gate | None = None) -> None:
     """Publish a changed tenant's new version, into ``report``: an owned copy (``owned``), or the
     trainer's adapter when every engine loads files, whose version directory is then what a
-    restore loads. ``gate`` (held for this tenant) is released once the publish hands the adapter
-    to the engines, or ends."""
+    restore loads. ``digest``: the publish's view of ``adapter`` the round began (its hash and
+    torn-read watch). ``gate`` (held for this tenant) is released once the publish hands the
+    adapter to the engines, or ends."""
     once = [gate]
 
     def staged() -> None:
@@ -208,7 +210,7 @@ async def step(tenant: Tenant, report: FleetReport, adapter: Adapter, version: i
     tenant.publisher._on_staged = staged
     tenant._stepping = (version, adapter, owned)  # what Tenant._serves moves the tenant to once served
     try:
-        published = await tenant.publisher.apublish(adapter, version=version, verify=probe)
+        published = await tenant.publisher._apublish(adapter, version=version, verify=probe, digest=digest)
     except LoraSyncError as exc:
         report.tenants[tenant.name] = TenantReport(tenant.name, tenant.registration, "failed", tenant.version, tenant.served_name, error=exc)
         return
