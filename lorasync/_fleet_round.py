@@ -11,7 +11,7 @@ version: what overlaps is the engine's load. With a limit, every hash is known b
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from lorasync._adapter import Adapter
@@ -22,12 +22,54 @@ from lorasync._names import validate_version
 from lorasync._probe import Probe
 from lorasync._publish import AdapterLike
 from lorasync._tenant import files_only, list_all, restore, step
-from lorasync.errors import LoraSyncError, StaleVersionError
+from lorasync.errors import ConfigError, LoraSyncError, StaleVersionError
 
 if TYPE_CHECKING:
     from lorasync._fleet import Fleet
 
-__all__ = ["by_files", "limited", "publish_round", "run_round"]
+__all__ = ["by_files", "check_round", "limited", "publish_round", "run_round"]
+
+
+def check_round(adapters: object, versions: object, verify: object, *, known: Callable[[str], object]) -> dict[str, int]:
+    """Refuse a round's arguments before anything is hashed, sent or loaded (every surface that
+    takes a round checks them here: ``Fleet.publish``, ``DistributedFleet.publish``).
+
+    Args:
+        known: raises for a name that is no live tenant (``ConfigError``).
+
+    Returns:
+        ``{tenant: version}`` for every tenant in ``adapters``, validated.
+
+    Raises:
+        ConfigError: ``adapters``, ``versions`` or ``verify`` is not a mapping of the kind named,
+            a tenant is unknown or has no version, or ``verify`` names a tenant not in ``adapters``.
+            A single ``Probe`` is refused: each probe records one adapter's outputs, so a round
+            takes one per tenant (``verify={name: probe}``).
+        InvalidNameError: a version that is not an int >= 0.
+    """
+    if not isinstance(adapters, Mapping):
+        raise ConfigError(f"adapters must be a mapping {{tenant: adapter}} (an Adapter, a PEFT model or a state dict each), got {type(adapters).__name__}")
+    if not isinstance(versions, Mapping):
+        raise ConfigError(f"versions must be a mapping {{tenant: version}} with a version for every adapter, e.g. versions={{name: step for name in adapters}}; got {type(versions).__name__}")
+    if isinstance(verify, Probe):
+        raise ConfigError(
+            "verify= takes one Probe per tenant, verify={name: probe, ...}: a Probe records one adapter's outputs, so one "
+            "Probe cannot check every tenant of a round (a tenant's default probe is given at fleet.register(name, verify=probe))"
+        )
+    if verify is not None and not isinstance(verify, Mapping):
+        raise ConfigError(f"verify must be a mapping {{tenant: Probe}} or None, got {type(verify).__name__}")
+    checked: dict[str, int] = {}
+    for name in adapters:
+        known(name)
+        if name not in versions:
+            raise ConfigError(f"no version for tenant {name!r}: pass versions={{{name!r}: step, ...}} for every adapter")
+        checked[name] = validate_version(versions[name])
+    for name, probe in (verify or {}).items():
+        if name not in adapters:
+            raise ConfigError(f"verify={{{name!r}: ...}} names no tenant of this round's adapters ({', '.join(map(repr, adapters)) or 'none'}); pass a probe only with its tenant's adapter")
+        if not isinstance(probe, Probe):
+            raise ConfigError(f"verify={{{name!r}: ...}} must be a lorasync.Probe (Probe.from_model(...)), got {type(probe).__name__}")
+    return checked
 
 
 async def publish_round(fleet: Fleet, report: FleetReport, adapters: Mapping[str, AdapterLike], versions: Mapping[str, int], probes: Mapping[str, Probe]) -> None:

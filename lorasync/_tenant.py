@@ -51,7 +51,12 @@ class Tenant:
         # The current version, owned, when an engine takes tensors (restores load it); None when
         # every engine loads files: the version's directory in the store is the owned copy then.
         self._copy: OwnedAdapter | None = None
-        self._stepping: tuple[int, Adapter, bool] | None = None  # the round's publish in flight: version, adapter, owned
+        self._stepping: tuple[int, Adapter, bool, Probe | None] | None = None  # the round's publish in flight: version, adapter, owned, probe
+        # The round's probe its current version was verified with (None: the registration's own,
+        # which the publisher applies anyway): every later load of that version, a restore on an
+        # engine that lost it or never verified it, is checked against it too (only a verified
+        # version counts as served).
+        self._probe: Probe | None = None
 
     def _serves(self, version: int, served: str, digest: str) -> None:
         """The publisher's word that every engine serves ``version`` now (content ``digest``),
@@ -65,10 +70,10 @@ class Tenant:
             return
         if stepping is None or stepping[0] != version:
             return  # not the round's publish: the round sets the tenant itself
-        _, adapter, owned = stepping
+        _, adapter, owned, probe = stepping
         # Not owned: the trainer's tensors, never kept; until step() decides (restore_copy), a
         # restore reads the version's files, checked against the recorded hash.
-        self.version, self.content_hash = version, digest
+        self.version, self.content_hash, self._probe = version, digest, probe
         self._copy = adapter if owned else None  # type: ignore[assignment]
 
     @property
@@ -208,7 +213,7 @@ async def step(tenant: Tenant, report: FleetReport, adapter: Adapter, version: i
             once.append(None)
 
     tenant.publisher._on_staged = staged
-    tenant._stepping = (version, adapter, owned)  # what Tenant._serves moves the tenant to once served
+    tenant._stepping = (version, adapter, owned, probe)  # what Tenant._serves moves the tenant to once served
     try:
         published = await tenant.publisher._apublish(adapter, version=version, verify=probe, digest=digest)
     except LoraSyncError as exc:
@@ -219,7 +224,7 @@ async def step(tenant: Tenant, report: FleetReport, adapter: Adapter, version: i
         tenant._stepping = None
         staged()
     if any(r.ok for r in published.results):  # engines that failed get it on the next round (restore)
-        tenant.version, tenant.content_hash = version, published.content_hash
+        tenant.version, tenant.content_hash, tenant._probe = version, published.content_hash, probe
         tenant._copy = adapter if owned else await restore_copy(adapter, published)  # type: ignore[assignment]
     failed = next((r.error for r in published.results if not r.ok), None)
     status = "loaded" if published.ok else "failed"
@@ -244,12 +249,14 @@ async def restore(tenant: Tenant, report: FleetReport) -> None:
 async def republish(tenant: Tenant, report: FleetReport) -> PublishReport | None:
     """Publish the tenant's current version again, at that version, from lorasync's own copy of
     it (the owned snapshot, else its files: :func:`from_files`), never the trainer's tensors.
-    Engines that serve it already report it ``unchanged`` and move nothing. Returns the publish
+    Engines that serve it already report it ``unchanged`` and move nothing; every engine it loads
+    on is checked against the probe the version was published with (a restore never serves a
+    version unverified, nor one that failed its probe there). Returns the publish
     report, or None when it failed outright (then ``report`` says so for the tenant)."""
     assert tenant.version is not None
     try:
         source = tenant._copy if tenant._copy is not None else await asyncio.to_thread(from_files, tenant)
-        return await tenant.publisher.apublish(source, version=tenant.version)
+        return await tenant.publisher.apublish(source, version=tenant.version, verify=tenant._probe)
     except LoraSyncError as exc:
         report.tenants[tenant.name] = TenantReport(tenant.name, tenant.registration, "failed", tenant.version, tenant.served_name, error=exc)
         return None
