@@ -162,13 +162,16 @@ async def unload_drained(tenant: Tenant, engine: Engine, *, since: float, force:
 
 async def release(tenant: Tenant, engines: Sequence[Engine]) -> None:
     """The end of a retirement: the registration's files (after the grace on engines that may
-    re-read them for a request they admitted), its run lock and loop. The engines stay open."""
+    re-read them for a request they admitted), its run (folder and owner lock: every register /
+    retire cycle gives back what it took) and loop. The engines stay open."""
     pub = tenant.publisher
     if any(pub._handles[id(e)].reloads for e in engines):
         await asyncio.sleep(pub.retention.grace)
     for version in await asyncio.to_thread(pub.store.versions, tenant.name):
         with contextlib.suppress(LoraSyncError):
             await asyncio.to_thread(pub.store.remove, tenant.name, version)
+    with contextlib.suppress(LoraSyncError):  # what could not be removed keeps the run (and its lock)
+        await asyncio.to_thread(pub.store.end_run, tenant.name)
     pub._release()
     tenant.retired = True
 
