@@ -45,7 +45,7 @@ from lorasync._adapter import Adapter
 from lorasync._names import validate_name, validate_version
 from lorasync.errors import ConfigError, PublishError, StorageError
 from lorasync.transports._fsutil import errno_of, remove_tree_at, remove_version
-from lorasync.transports._layout import HOLDERS, META, OWNER_LOCK, begin_run, open_run, put_holders, read_version_file, remove_hidden, retire_run, runs_at, seal_version, sweep_dead_runs, take_run, versions_at
+from lorasync.transports._layout import HOLDERS, META, OWNER_LOCK, begin_run, end_run_at, put_holders, read_version_file, runs_at, seal_version, sweep_dead_runs, take_run
 from lorasync.transports._layout import recorded_hash as _recorded_hash  # META, OWNER_LOCK: also here, for callers
 from lorasync.transports._layout import versions_in as _versions_in
 from lorasync.transports._trust import check_ancestors, folders, make_ancestors, root_path
@@ -192,34 +192,15 @@ class DiskStore:
             self._owner = {}
 
     def end_run(self, name: str) -> bool:
-        """Give this run of ``name`` up for good once no version of it is left (a Fleet tenant's
-        retirement): its folder goes and the process lets go of its owner lock, so a service that
-        registers and retires names for ever keeps its descriptors and its store flat.
-
-        Returns:
-            True when the run was ended; False when versions (or foreign entries) are left in
-            it: then it stays owned, as :meth:`own` says, while an engine may reload them.
-
-        Raises:
-            ConfigError: as :meth:`own` (a forked child never ends its parent's run).
-        """
+        """Give this run of ``name`` up for good (its folder, then its lock) once no version is left
+        in it: False (still owned) otherwise. A Fleet's retirement: register / retire cycles keep
+        descriptors and the store flat. Raises ConfigError as :meth:`own`."""
         self._same_process()
         run_dir = self.run_dir(name)
         with self._name_dir(name, create=False) as name_fd, _GUARD:
-            if name_fd is not None:
-                run_fd = open_run(name_fd, self.run)
-                if run_fd is not None:
-                    try:
-                        if versions_at(run_fd):
-                            return False
-                        remove_hidden(run_fd)
-                        retire_run(name_fd, self.run, run_fd)  # leaves a run holding foreign entries
-                    finally:
-                        os.close(run_fd)
-                    if runs_at(name_fd).count(self.run):
-                        return False
-            lock = _OWNED.pop(run_dir, None)
-            if lock is not None:
+            if name_fd is not None and not end_run_at(name_fd, self.run):
+                return False
+            if (lock := _OWNED.pop(run_dir, None)) is not None:
                 os.close(lock)  # after the folder went: no sweep can take a run still in it
             _LIVE.discard(run_dir)
             self._owner.pop(name, None)
