@@ -18,6 +18,10 @@ most of its time hashing the 15 that did not change.
   contiguous, subclasses) go through :attr:`Adapter.content_hash`.
 * ``xxhash`` releases the GIL while it hashes a buffer, so :func:`scan` hashes tenants in a few
   threads at once; memory bandwidth, not the GIL, then bounds it.
+* The hash, and the owned copy a round publishes where an engine takes tensors, are read under
+  the publish's own torn-read watch (:class:`~lorasync._digest.PublishDigest`, begun before the
+  first read and handed to the tenant's publish): a step of the trainer's optimizer meanwhile is
+  an ``AdapterChangedError`` for that tenant, as for a plain ``Publisher``, never a mix served.
 * :func:`scan` wakes the round's loop once per changed or failed tenant, not once per tenant, so
   the round can start a changed tenant's publish while the others are still hashed.
 """

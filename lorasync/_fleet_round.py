@@ -112,6 +112,15 @@ async def publish_round(fleet: Fleet, report: FleetReport, adapters: Mapping[str
     jobs = [HashJob(name, adapter, fleet.tenants[name].content_hash, copy) for name, adapter in adapters.items()]
     try:
         same = await scan(jobs, changed, gate=gate)
+        # An unchanged tenant given a probe this round goes through its publisher at its current
+        # version: "unchanged" is the publisher's word, after its verification (nothing moves).
+        for name in [n for n in same if n in probes]:
+            same.remove(name)
+            tenant = fleet.tenants[name]
+            adapter = adapters[name] if isinstance(adapters[name], Adapter) else await asyncio.to_thread(_export, adapters[name])
+            stepping[name] = (adapter, tenant.version, False, None)  # type: ignore[assignment]
+            if early:
+                started.append(asyncio.ensure_future(step(tenant, report, adapter, tenant.version, probes[name], owned=False)))  # type: ignore[arg-type]
         # The tenants settled by their hash come first, in the caller's order, as in a round
         # that hashed one tenant after the other (raise_for_errors raises the first failure).
         settled = {}
@@ -133,6 +142,12 @@ async def publish_round(fleet: Fleet, report: FleetReport, adapters: Mapping[str
             gate.open()
     if unexpected:
         raise unexpected[0]
+
+
+def _export(model: object) -> Adapter:
+    from lorasync.exporters.fsdp import export
+
+    return export(model)  # type: ignore[arg-type]
 
 
 async def run_round(fleet: Fleet, report: FleetReport, stepping: Mapping[str, tuple[Adapter, int, bool, PublishDigest | None]], probes: Mapping[str, Probe], *, started: Sequence[asyncio.Future[None]] = (), skip: Iterable[str] = ()) -> None:

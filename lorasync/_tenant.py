@@ -226,11 +226,12 @@ async def step(tenant: Tenant, report: FleetReport, adapter: Adapter, version: i
         tenant.publisher._on_staged = None
         tenant._stepping = None
         staged()
-    if any(r.ok for r in published.results):  # engines that failed get it on the next round (restore)
+    same = version == tenant.version and published.content_hash == tenant.content_hash  # its current version, checked again
+    if any(r.ok for r in published.results) and not same:  # engines that failed get it on the next round (restore)
         tenant.version, tenant.content_hash, tenant._probe = version, published.content_hash, probe
         tenant._copy = adapter if owned else await restore_copy(adapter, published)  # type: ignore[assignment]
     failed = next((r.error for r in published.results if not r.ok), None)
-    status = "loaded" if published.ok else "failed"
+    status = "failed" if not published.ok else "unchanged" if all(r.status == "unchanged" for r in published.results) else "loaded"
     report.tenants[tenant.name] = TenantReport(tenant.name, tenant.registration, status, tenant.version, tenant.served_name, publish=published, error=failed)
 
 
