@@ -61,9 +61,9 @@ class PublishDigest:
         adapter (`Adapter`): what is published.
     """
 
-    def __init__(self, adapter: Adapter) -> None:
+    def __init__(self, adapter: Adapter, *, value: str | None = None) -> None:
         self.adapter = adapter
-        self.value: str | None = None
+        self.value: str | None = value  # known already: an owned copy of bytes hashed under a watch (see of_copy)
         self.seconds = 0.0  # spent in a hashing pass of its own (0 when the write pass gave it)
         self.from_write = False  # the value came from the disk write pass (the files hold exactly the hashed bytes)
         self.torn: str | None = None  # why the hash (or write) pass is not one state of the tensors
@@ -106,6 +106,38 @@ class PublishDigest:
                     raise self.error(why, "before lorasync's copy of it was complete")
                 self._owned = copy
             return self._owned
+
+    # -- before the publish: a Fleet round checks many tenants in worker threads --------------------
+
+    def hash_now(self, hasher: Callable[[Adapter], str]) -> str:
+        """Hash the adapter in this thread with ``hasher`` (which must give exactly
+        :attr:`Adapter.content_hash`), under this publish's watch, before the publish starts.
+
+        Raises:
+            AdapterChangedError: the tensors changed while they were hashed.
+        """
+        start = time.perf_counter()
+        self.value = hasher(self.adapter)
+        self.seconds += time.perf_counter() - start
+        self.torn = self._watch.changed()
+        if self.torn is not None:
+            raise self.error(self.torn, "while they were hashed")
+        return self.value
+
+    def copy_now(self) -> PublishDigest:
+        """The digest of an owned copy taken now, in this thread, with this digest's hash (the
+        copy holds exactly the hashed bytes: the watch saw no change from before the hash to the
+        end of the copy). What a publish of that copy uses instead of this one.
+
+        Raises:
+            AdapterChangedError: the tensors changed since the watch began (a torn copy).
+        """
+        assert self.value is not None, "hash_now first"
+        copy = owned_copy(self.adapter)
+        why = self._watch.changed()
+        if why is not None:
+            raise self.error(why, "before lorasync's copy of it was complete")
+        return PublishDigest(copy, value=self.value)
 
     def changed(self) -> str | None:
         """Why the tensors may differ now from when the publish started (None: they do not)."""

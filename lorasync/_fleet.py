@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from lorasync._fleet_engines import FleetEngines
 from lorasync._fleet_plan import FleetReport, SlotNeed, plan_slots
-from lorasync._fleet_round import publish_round, run_round
+from lorasync._fleet_round import check_round, publish_round, run_round
 from lorasync._lifecycle import Lifecycle, async_entry
 from lorasync._loop import LoopLock, LoopThread, held
 from lorasync._names import parse_served_name, served_name, validate_name
@@ -39,7 +39,7 @@ from lorasync._publish import AdapterLike, Publisher
 from lorasync._retention import Retention, check_timeout
 from lorasync._session import aclose_all, refuse_duplicates
 from lorasync.engines._engine import Capabilities, Engine
-from lorasync.engines._registry import parse_engine_spec
+from lorasync.engines._registry import engine_list
 from lorasync._tenant import Tenant, list_all, release, unload_drained, where
 from lorasync.errors import ConfigError, LoraSyncError
 
@@ -70,11 +70,7 @@ class Fleet(FleetEngines):
     """
 
     def __init__(self, engines: Iterable[Engine | str] | Engine | str, *, transport: str = "auto", root: str | os.PathLike[str] | None = None) -> None:
-        if isinstance(engines, (Engine, str)):
-            engines = [engines]
-        self.engines = [parse_engine_spec(e) for e in engines]
-        if not self.engines:
-            raise ConfigError("a Fleet needs at least one engine")
+        self.engines = engine_list(engines, what="a Fleet")
         refuse_duplicates(self.engines)
         if transport not in ("auto", "disk", "ipc"):
             raise ConfigError(f"a Fleet serves adapters by name: transport must be 'auto', 'disk' or 'ipc', got {transport!r} (merged weights have no room for several tenants)")
@@ -215,11 +211,8 @@ class Fleet(FleetEngines):
         """Async twin of :meth:`publish`."""
         report = FleetReport()
         async with held(self._lock):
-            for name in adapters:  # under the lock: a retirement may have begun or ended meanwhile
-                if self._tenant(name).retiring:
-                    raise ConfigError(f"tenant {name!r} is retiring: publish nothing more to it (register the name again once retired)")
-                if name not in versions:
-                    raise ConfigError(f"no version for tenant {name!r}: pass versions={{{name!r}: step, ...}} for every adapter")
+            # Under the lock: a retirement may have begun or ended meanwhile.
+            versions = check_round(adapters, versions, verify, known=self._publishable)
             await publish_round(self, report, adapters, versions, verify or {})
         return report
 
@@ -259,7 +252,7 @@ class Fleet(FleetEngines):
                 continue
             with contextlib.suppress(LoraSyncError):  # an engine that cannot tell: pins alone are held
                 busy = await engine.aadapters_in_use() or frozenset()
-            needs = [SlotNeed(newcomer, 1)] if newcomer is not None else []
+            needs = [SlotNeed(newcomer, None, first=True)] if newcomer is not None else []
             for name, tenant in self.tenants.items():
                 loaded = sorted(v for n in listing if (p := parse_served_name(n)) is not None and p[0] == name for v in [p[1]])
                 current = None if tenant.retiring else stepping.get(name, tenant.version)
@@ -269,7 +262,7 @@ class Fleet(FleetEngines):
                 held_now = frozenset(pins | {v for v in loaded if served_name(name, v) in busy})
                 if caps.reloads_from_path and not tenant.retiring and tenant.version in loaded:  # it serves until its successor does
                     held_now |= {tenant.version}  # (rollouts lease it till then); the publish retires it after
-                needs.append(SlotNeed(name, current, tuple(loaded), held_now, frozenset(window)))
+                needs.append(SlotNeed(name, current, tuple(loaded), held_now, frozenset(window), first=not tenant.retiring))
             foreign = [n for n in listing if (parse_served_name(n) or ("",))[0] not in self.tenants]
             for name, version in plan_slots(needs, capacity=caps.max_loras, foreign=foreign, where=where(engine), soft=caps.reloads_from_path, engine=engine.kind, url=engine.url):
                 drops.append((engine, name, version))
@@ -288,6 +281,12 @@ class Fleet(FleetEngines):
             for tenant in self.tenants.values():
                 tenant.publisher._handles[id(engine)]._caps = self._caps[id(engine)]
         return self._caps[id(engine)]
+
+    def _publishable(self, name: str) -> Tenant:
+        tenant = self._tenant(name)
+        if tenant.retiring:
+            raise ConfigError(f"tenant {name!r} is retiring: publish nothing more to it (register the name again once retired)")
+        return tenant
 
     def _tenant(self, name: str) -> Tenant:
         if (tenant := self.tenants.get(name) if isinstance(name, str) else None) is None:

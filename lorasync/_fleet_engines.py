@@ -102,7 +102,8 @@ class FleetEngines:
                 )
             current = {n: t for n, t in self.tenants.items() if t.version is not None and not t.retiring}
             if caps.max_loras is not None:
-                needs = [SlotNeed(n, t.version) for n, t in current.items()]
+                # Tenants never published yet keep the slot their registration booked.
+                needs = [SlotNeed(n, t.version, first=True) for n, t in self.tenants.items() if not t.retiring]
                 try:
                     plan_slots(needs, capacity=caps.max_loras, foreign=listing, where=where(engine), soft=caps.reloads_from_path, engine=engine.kind, url=engine.url)
                 except CapacityError as exc:

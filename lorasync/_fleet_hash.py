@@ -18,6 +18,10 @@ most of its time hashing the 15 that did not change.
   contiguous, subclasses) go through :attr:`Adapter.content_hash`.
 * ``xxhash`` releases the GIL while it hashes a buffer, so :func:`scan` hashes tenants in a few
   threads at once; memory bandwidth, not the GIL, then bounds it.
+* The hash, and the owned copy a round publishes where an engine takes tensors, are read under
+  the publish's own torn-read watch (:class:`~lorasync._digest.PublishDigest`, begun before the
+  first read and handed to the tenant's publish): a step of the trainer's optimizer meanwhile is
+  an ``AdapterChangedError`` for that tenant, as for a plain ``Publisher``, never a mix served.
 * :func:`scan` wakes the round's loop once per changed or failed tenant, not once per tenant, so
   the round can start a changed tenant's publish while the others are still hashed.
 """
@@ -35,7 +39,7 @@ from typing import Any
 import torch
 
 from lorasync._adapter import HASH_PREFIX, Adapter, _canonical_config, _hasher, tensor_header
-from lorasync.transports._snapshot import owned_copy
+from lorasync._digest import PublishDigest
 
 __all__ = ["Gate", "HashJob", "content_hash", "scan"]
 
@@ -86,8 +90,9 @@ class HashJob:
     copy: bool
 
 
-# on_changed(name, adapter, digest, error): adapter and digest of a changed tenant, or error.
-Changed = Callable[[str, "Adapter | None", "str | None", "BaseException | None"], None]
+# on_changed(name, adapter, digest, error): the adapter of a changed tenant and the digest its
+# publish goes on with (None: the publish takes its own), or error.
+Changed = Callable[[str, "Adapter | None", "PublishDigest | None", "BaseException | None"], None]
 
 
 class Gate:
@@ -200,20 +205,24 @@ def _settle(done: asyncio.Future[None], error: BaseException | None) -> None:
         done.set_exception(error)
 
 
-def _check(job: HashJob) -> tuple[Adapter | None, str]:
-    """``(None, digest)`` when unchanged, else the adapter to publish (an owned copy with
-    ``job.copy``) and its hash."""
+def _check(job: HashJob) -> tuple[Adapter | None, PublishDigest | None]:
+    """``(None, None)`` when unchanged; else the adapter to publish and the digest its publish
+    goes on with: with ``job.copy`` an owned copy and its digest, else the trainer's adapter and
+    None (its publish hashes it again in the disk write pass, under a watch of its own).
+
+    The hash and the copy are the publish's own parts (:class:`~lorasync._digest.PublishDigest`),
+    taken here under its torn-read watch: an optimizer step while they read the trainer's memory
+    is an ``AdapterChangedError`` for this tenant, as in a plain ``Publisher``.
+    """
     adapter = job.adapter
     if not isinstance(adapter, Adapter):
         from lorasync.exporters.fsdp import export
 
         adapter = export(adapter)
-    digest = content_hash(adapter)
-    if digest == job.current:
-        return None, digest
+    digest = PublishDigest(adapter)  # the watch begins before the first read of the tensors
+    if digest.hash_now(content_hash) == job.current:
+        return None, None
     if job.copy:
-        adapter = owned_copy(adapter)
-        digest = content_hash(adapter)  # the copy's: what is published is exactly what it holds
-        if digest == job.current:
-            return None, digest
-    return adapter, digest
+        owned = digest.copy_now()
+        return owned.adapter, owned
+    return adapter, None

@@ -42,6 +42,8 @@ class SlotNeed:
         loaded (`tuple[int, ...]`): its versions the engine lists now.
         held (`frozenset[int]`): its versions that are pinned or have requests.
         window (`frozenset[int]`): its versions its retention window keeps after the round.
+        first (`bool`): registered, never published: a slot is booked for its first version
+            (registration refuses what would not fit, so no later round finds it overbooked).
     """
 
     tenant: str
@@ -49,6 +51,7 @@ class SlotNeed:
     loaded: tuple[int, ...] = ()
     held: frozenset[int] = frozenset()
     window: frozenset[int] = frozenset()
+    first: bool = False
 
 
 def plan_slots(needs: Sequence[SlotNeed], *, capacity: int, foreign: Sequence[str], where: str, soft: bool = False, engine: str = "", url: str = "") -> list[tuple[str, int]]:
@@ -70,9 +73,10 @@ def plan_slots(needs: Sequence[SlotNeed], *, capacity: int, foreign: Sequence[st
     """
     must = {(n.tenant, n.current) for n in needs if n.current is not None}
     held = {(n.tenant, v) for n in needs for v in n.held if v in n.loaded} - must
-    required = len(foreign) + len(must) + len(held)
-    if (len(foreign) + len(must) if soft else required) > capacity:
-        current = ", ".join(served_name(t, v) + ("" if v in _loaded(needs, t) else " (to load)") for t, v in sorted(must))
+    first = sorted(n.tenant for n in needs if n.current is None and n.first)
+    required = len(foreign) + len(must) + len(first) + len(held)
+    if (len(foreign) + len(must) + len(first) if soft else required) > capacity:
+        current = ", ".join([served_name(t, v) + ("" if v in _loaded(needs, t) else " (to load)") for t, v in sorted(must)] + [f"{t} (its first version)" for t in first])
         busy = ", ".join(served_name(t, v) for t, v in sorted(held))
         raise CapacityError(
             f"{where} has {capacity} adapter slots, and the tenants need {required}: current versions {current or 'none'}"
@@ -83,7 +87,7 @@ def plan_slots(needs: Sequence[SlotNeed], *, capacity: int, foreign: Sequence[st
             engine=engine,
             url=url,
             capacity=capacity,
-            tenants=tuple(sorted({t for t, _ in must | held})),
+            tenants=tuple(sorted({t for t, _ in must | held} | set(first))),
         )
     ranked = []
     for need in needs:

@@ -11,22 +11,65 @@ version: what overlaps is the engine's load. With a limit, every hash is known b
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from lorasync._adapter import Adapter
+from lorasync._digest import PublishDigest
 from lorasync._fleet_hash import Gate, HashJob, scan
 from lorasync._fleet_plan import FleetReport, TenantReport
 from lorasync._names import validate_version
 from lorasync._probe import Probe
 from lorasync._publish import AdapterLike
 from lorasync._tenant import files_only, list_all, restore, step
-from lorasync.errors import LoraSyncError, StaleVersionError
+from lorasync.errors import ConfigError, LoraSyncError, StaleVersionError
 
 if TYPE_CHECKING:
     from lorasync._fleet import Fleet
 
-__all__ = ["by_files", "limited", "publish_round", "run_round"]
+__all__ = ["by_files", "check_round", "limited", "publish_round", "run_round"]
+
+
+def check_round(adapters: object, versions: object, verify: object, *, known: Callable[[str], object]) -> dict[str, int]:
+    """Refuse a round's arguments before anything is hashed, sent or loaded (every surface that
+    takes a round checks them here: ``Fleet.publish``, ``DistributedFleet.publish``).
+
+    Args:
+        known: raises for a name that is no live tenant (``ConfigError``).
+
+    Returns:
+        ``{tenant: version}`` for every tenant in ``adapters``, validated.
+
+    Raises:
+        ConfigError: ``adapters``, ``versions`` or ``verify`` is not a mapping of the kind named,
+            a tenant is unknown or has no version, or ``verify`` names a tenant not in ``adapters``.
+            A single ``Probe`` is refused: each probe records one adapter's outputs, so a round
+            takes one per tenant (``verify={name: probe}``).
+        InvalidNameError: a version that is not an int >= 0.
+    """
+    if not isinstance(adapters, Mapping):
+        raise ConfigError(f"adapters must be a mapping {{tenant: adapter}} (an Adapter, a PEFT model or a state dict each), got {type(adapters).__name__}")
+    if not isinstance(versions, Mapping):
+        raise ConfigError(f"versions must be a mapping {{tenant: version}} with a version for every adapter, e.g. versions={{name: step for name in adapters}}; got {type(versions).__name__}")
+    if isinstance(verify, Probe):
+        raise ConfigError(
+            "verify= takes one Probe per tenant, verify={name: probe, ...}: a Probe records one adapter's outputs, so one "
+            "Probe cannot check every tenant of a round (a tenant's default probe is given at fleet.register(name, verify=probe))"
+        )
+    if verify is not None and not isinstance(verify, Mapping):
+        raise ConfigError(f"verify must be a mapping {{tenant: Probe}} or None, got {type(verify).__name__}")
+    checked: dict[str, int] = {}
+    for name in adapters:
+        known(name)
+        if name not in versions:
+            raise ConfigError(f"no version for tenant {name!r}: pass versions={{{name!r}: step, ...}} for every adapter")
+        checked[name] = validate_version(versions[name])
+    for name, probe in (verify or {}).items():
+        if name not in adapters:
+            raise ConfigError(f"verify={{{name!r}: ...}} names no tenant of this round's adapters ({', '.join(map(repr, adapters)) or 'none'}); pass a probe only with its tenant's adapter")
+        if not isinstance(probe, Probe):
+            raise ConfigError(f"verify={{{name!r}: ...}} must be a lorasync.Probe (Probe.from_model(...)), got {type(probe).__name__}")
+    return checked
 
 
 async def publish_round(fleet: Fleet, report: FleetReport, adapters: Mapping[str, AdapterLike], versions: Mapping[str, int], probes: Mapping[str, Probe]) -> None:
@@ -37,35 +80,47 @@ async def publish_round(fleet: Fleet, report: FleetReport, adapters: Mapping[str
     hashed. With one, every hash is known first: the plan needs every stepping tenant."""
     early = not await limited(fleet)
     copy = not await by_files(fleet)
-    stepping: dict[str, tuple[Adapter, int, bool]] = {}
+    stepping: dict[str, tuple[Adapter, int, bool, PublishDigest | None]] = {}
     started: list[asyncio.Future[None]] = []
     unexpected: list[BaseException] = []
     gate = Gate() if early else None
 
-    def changed(name: str, adapter: Adapter | None, digest: str | None, error: BaseException | None) -> None:
-        tenant = fleet.tenants[name]
+    def changed(name: str, adapter: Adapter | None, digest: PublishDigest | None, error: BaseException | None) -> None:
+        # A loop callback: whatever goes wrong here must reach the round (never the loop's
+        # exception handler), and the gate a worker held for this tenant must be released, or
+        # the other workers and the round wait for ever.
         try:
+            tenant = fleet.tenants[name]
             if error is not None:
                 raise error
             version = validate_version(versions[name])
             if tenant.version is not None and version <= tenant.version:
                 raise StaleVersionError(f"{name} v{version} would replace v{tenant.version} with other content; versions must increase. Nothing was sent.", adapter=name, version=version, newest=tenant.version)
+            assert adapter is not None
+            stepping[name] = (adapter, version, copy, digest)
+            if early:
+                started.append(asyncio.ensure_future(step(tenant, report, adapter, version, probes.get(name), owned=copy, digest=digest, gate=gate)))
         except BaseException as exc:  # noqa: BLE001 - raised by the round once its publishes ended
-            if gate is not None and adapter is not None:
+            if gate is not None and adapter is not None and name not in stepping:
                 gate.release()  # the worker held it for this tenant, which publishes nothing
-            if not isinstance(exc, LoraSyncError):
+            if not isinstance(exc, LoraSyncError) or name not in fleet.tenants:
                 unexpected.append(exc)
                 return
+            tenant = fleet.tenants[name]
             report.tenants[name] = TenantReport(name, tenant.registration, "failed", tenant.version, tenant.served_name, error=exc)  # this tenant alone
-            return
-        assert adapter is not None
-        stepping[name] = (adapter, version, copy)
-        if early:
-            started.append(asyncio.ensure_future(step(tenant, report, adapter, version, probes.get(name), owned=copy, gate=gate)))
 
     jobs = [HashJob(name, adapter, fleet.tenants[name].content_hash, copy) for name, adapter in adapters.items()]
     try:
         same = await scan(jobs, changed, gate=gate)
+        # An unchanged tenant given a probe this round goes through its publisher at its current
+        # version: "unchanged" is the publisher's word, after its verification (nothing moves).
+        for name in [n for n in same if n in probes]:
+            same.remove(name)
+            tenant = fleet.tenants[name]
+            adapter = adapters[name] if isinstance(adapters[name], Adapter) else await asyncio.to_thread(_export, adapters[name])
+            stepping[name] = (adapter, tenant.version, False, None)  # type: ignore[assignment]
+            if early:
+                started.append(asyncio.ensure_future(step(tenant, report, adapter, tenant.version, probes[name], owned=False)))  # type: ignore[arg-type]
         # The tenants settled by their hash come first, in the caller's order, as in a round
         # that hashed one tenant after the other (raise_for_errors raises the first failure).
         settled = {}
@@ -89,7 +144,13 @@ async def publish_round(fleet: Fleet, report: FleetReport, adapters: Mapping[str
         raise unexpected[0]
 
 
-async def run_round(fleet: Fleet, report: FleetReport, stepping: Mapping[str, tuple[Adapter, int, bool]], probes: Mapping[str, Probe], *, started: Sequence[asyncio.Future[None]] = (), skip: Iterable[str] = ()) -> None:
+def _export(model: object) -> Adapter:
+    from lorasync.exporters.fsdp import export
+
+    return export(model)  # type: ignore[arg-type]
+
+
+async def run_round(fleet: Fleet, report: FleetReport, stepping: Mapping[str, tuple[Adapter, int, bool, PublishDigest | None]], probes: Mapping[str, Probe], *, started: Sequence[asyncio.Future[None]] = (), skip: Iterable[str] = ()) -> None:
     """Plan for ``stepping`` and publish it; restore the tenants, not stepping nor in
     ``skip``, that an engine lost; wait for ``started`` publishes too."""
     listings = await list_all(fleet.engines)
@@ -98,8 +159,8 @@ async def run_round(fleet: Fleet, report: FleetReport, stepping: Mapping[str, tu
         name for name, t in fleet.tenants.items()
         if name not in skip and t.version is not None and not t.retiring and any(ls is not None and t.served_name not in ls for ls in listings)
     }
-    report.unloaded = await fleet._plan(listings, {n: v for n, (_, v, _) in stepping.items()})
-    jobs = [step(fleet.tenants[n], report, adapter, v, probes.get(n), owned=owned) for n, (adapter, v, owned) in stepping.items()]
+    report.unloaded = await fleet._plan(listings, {n: v for n, (_, v, _, _) in stepping.items()})
+    jobs = [step(fleet.tenants[n], report, adapter, v, probes.get(n), owned=owned, digest=digest) for n, (adapter, v, owned, digest) in stepping.items()]
     jobs += [restore(fleet.tenants[n], report) for n in sorted(lost)]
     await asyncio.gather(*started, *jobs)
 

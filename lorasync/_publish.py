@@ -46,7 +46,7 @@ from lorasync._retention import Ledger, Retention
 from lorasync._select import TRANSPORTS, choose_transport
 from lorasync._session import PublisherLife, refuse_duplicates
 from lorasync.engines._engine import Capabilities, Engine
-from lorasync.engines._registry import parse_engine_spec
+from lorasync.engines._registry import engine_list
 from lorasync.errors import ConfigError, VerificationError
 from lorasync.transports._transport import Transport, finish
 from lorasync.transports._base_weights import BaseWeights
@@ -117,11 +117,7 @@ class Publisher(PublisherLife):
         max_staleness: int | None = None,
         retention: Retention | None = None,
     ) -> None:
-        if isinstance(engines, (Engine, str)):
-            engines = [engines]
-        self.engines = [parse_engine_spec(e) for e in engines]
-        if not self.engines:
-            raise ConfigError("publish needs at least one engine")
+        self.engines = engine_list(engines, what="publish")
         refuse_duplicates(self.engines)
         self.name = validate_name(name)
         if not isinstance(transport, str) or transport not in TRANSPORTS:
@@ -191,10 +187,19 @@ class Publisher(PublisherLife):
         self._life.check_sync("publish()", "await pub.apublish(adapter, version=...)")
         return self._loop.run(self.apublish(adapter, version=version, verify=verify))
 
-    @async_entry("pub.apublish()")
     async def apublish(self, adapter: AdapterLike, *, version: int, verify: Probe | None = None) -> PublishReport:
         """Async twin of :meth:`publish`."""
+        return await self._apublish(adapter, version=version, verify=verify)
+
+    @async_entry("pub.apublish()")
+    async def _apublish(self, adapter: AdapterLike, *, version: int, verify: Probe | None = None, digest: PublishDigest | None = None) -> PublishReport:
+        """:meth:`apublish`; ``digest``: the publish's view of ``adapter`` begun before the call
+        (a Fleet round hashed it, or copied it, under that digest's torn-read watch)."""
         version = validate_version(version)
+        if verify is not None and not isinstance(verify, Probe):  # before anything is exported or loaded
+            raise ConfigError(f"verify must be a lorasync.Probe (Probe.from_model(...)) or None, got {type(verify).__name__}")
+        if digest is not None and digest.adapter is not adapter:
+            raise ConfigError("a publish's digest must be of the adapter it publishes")
         timings: dict[str, float] = {}
         start = time.perf_counter()
         if not isinstance(adapter, Adapter):
@@ -207,7 +212,9 @@ class Publisher(PublisherLife):
         async with held(self._lock):
             await self._care.previous_settled()
             self._disk.new_publish()
-            digest = PublishDigest(adapter)  # from here on the publish reads the tensors: a change now tears it
+            # From here on the publish reads the tensors: a change now tears it (a Fleet round's
+            # digest began watching before it hashed them).
+            digest = digest if digest is not None else PublishDigest(adapter)
             done = await asyncio.gather(*(self._guarded(e, adapter, version, digest, probe) for e in self.engines))
             if len({r.served_name for r, _ in done if r.ok and r.served_name}) > 1:
                 # Engines serving this content under an older name load it as this version too, so

@@ -14,6 +14,7 @@ import warnings
 from collections.abc import Iterator, Sequence
 
 from lorasync._adapter import Adapter
+from lorasync._digest import PublishDigest
 from lorasync._fleet_hash import Gate, content_hash
 from lorasync._fleet_plan import FleetReport, TenantReport
 from lorasync._names import served_name, validate_version
@@ -50,7 +51,12 @@ class Tenant:
         # The current version, owned, when an engine takes tensors (restores load it); None when
         # every engine loads files: the version's directory in the store is the owned copy then.
         self._copy: OwnedAdapter | None = None
-        self._stepping: tuple[int, Adapter, bool] | None = None  # the round's publish in flight: version, adapter, owned
+        self._stepping: tuple[int, Adapter, bool, Probe | None] | None = None  # the round's publish in flight: version, adapter, owned, probe
+        # The round's probe its current version was verified with (None: the registration's own,
+        # which the publisher applies anyway): every later load of that version, a restore on an
+        # engine that lost it or never verified it, is checked against it too (only a verified
+        # version counts as served).
+        self._probe: Probe | None = None
 
     def _serves(self, version: int, served: str, digest: str) -> None:
         """The publisher's word that every engine serves ``version`` now (content ``digest``),
@@ -64,10 +70,10 @@ class Tenant:
             return
         if stepping is None or stepping[0] != version:
             return  # not the round's publish: the round sets the tenant itself
-        _, adapter, owned = stepping
+        _, adapter, owned, probe = stepping
         # Not owned: the trainer's tensors, never kept; until step() decides (restore_copy), a
         # restore reads the version's files, checked against the recorded hash.
-        self.version, self.content_hash = version, digest
+        self.version, self.content_hash, self._probe = version, digest, probe
         self._copy = adapter if owned else None  # type: ignore[assignment]
 
     @property
@@ -156,13 +162,16 @@ async def unload_drained(tenant: Tenant, engine: Engine, *, since: float, force:
 
 async def release(tenant: Tenant, engines: Sequence[Engine]) -> None:
     """The end of a retirement: the registration's files (after the grace on engines that may
-    re-read them for a request they admitted), its run lock and loop. The engines stay open."""
+    re-read them for a request they admitted), its run (folder and owner lock: every register /
+    retire cycle gives back what it took) and loop. The engines stay open."""
     pub = tenant.publisher
     if any(pub._handles[id(e)].reloads for e in engines):
         await asyncio.sleep(pub.retention.grace)
     for version in await asyncio.to_thread(pub.store.versions, tenant.name):
         with contextlib.suppress(LoraSyncError):
             await asyncio.to_thread(pub.store.remove, tenant.name, version)
+    with contextlib.suppress(LoraSyncError):  # what could not be removed keeps the run (and its lock)
+        await asyncio.to_thread(pub.store.end_run, tenant.name)
     pub._release()
     tenant.retired = True
 
@@ -193,11 +202,12 @@ def files_only(publisher: Publisher, caps: Sequence[Capabilities]) -> bool:
     return True
 
 
-async def step(tenant: Tenant, report: FleetReport, adapter: Adapter, version: int, probe: Probe | None, *, owned: bool, gate: Gate | None = None) -> None:
+async def step(tenant: Tenant, report: FleetReport, adapter: Adapter, version: int, probe: Probe | None, *, owned: bool, digest: PublishDigest | None = None, gate: Gate | None = None) -> None:
     """Publish a changed tenant's new version, into ``report``: an owned copy (``owned``), or the
     trainer's adapter when every engine loads files, whose version directory is then what a
-    restore loads. ``gate`` (held for this tenant) is released once the publish hands the adapter
-    to the engines, or ends."""
+    restore loads. ``digest``: the publish's view of ``adapter`` the round began (its hash and
+    torn-read watch). ``gate`` (held for this tenant) is released once the publish hands the
+    adapter to the engines, or ends."""
     once = [gate]
 
     def staged() -> None:
@@ -206,9 +216,9 @@ async def step(tenant: Tenant, report: FleetReport, adapter: Adapter, version: i
             once.append(None)
 
     tenant.publisher._on_staged = staged
-    tenant._stepping = (version, adapter, owned)  # what Tenant._serves moves the tenant to once served
+    tenant._stepping = (version, adapter, owned, probe)  # what Tenant._serves moves the tenant to once served
     try:
-        published = await tenant.publisher.apublish(adapter, version=version, verify=probe)
+        published = await tenant.publisher._apublish(adapter, version=version, verify=probe, digest=digest)
     except LoraSyncError as exc:
         report.tenants[tenant.name] = TenantReport(tenant.name, tenant.registration, "failed", tenant.version, tenant.served_name, error=exc)
         return
@@ -216,11 +226,12 @@ async def step(tenant: Tenant, report: FleetReport, adapter: Adapter, version: i
         tenant.publisher._on_staged = None
         tenant._stepping = None
         staged()
-    if any(r.ok for r in published.results):  # engines that failed get it on the next round (restore)
-        tenant.version, tenant.content_hash = version, published.content_hash
+    same = version == tenant.version and published.content_hash == tenant.content_hash  # its current version, checked again
+    if any(r.ok for r in published.results) and not same:  # engines that failed get it on the next round (restore)
+        tenant.version, tenant.content_hash, tenant._probe = version, published.content_hash, probe
         tenant._copy = adapter if owned else await restore_copy(adapter, published)  # type: ignore[assignment]
     failed = next((r.error for r in published.results if not r.ok), None)
-    status = "loaded" if published.ok else "failed"
+    status = "failed" if not published.ok else "unchanged" if all(r.status == "unchanged" for r in published.results) else "loaded"
     report.tenants[tenant.name] = TenantReport(tenant.name, tenant.registration, status, tenant.version, tenant.served_name, publish=published, error=failed)
 
 
@@ -242,12 +253,14 @@ async def restore(tenant: Tenant, report: FleetReport) -> None:
 async def republish(tenant: Tenant, report: FleetReport) -> PublishReport | None:
     """Publish the tenant's current version again, at that version, from lorasync's own copy of
     it (the owned snapshot, else its files: :func:`from_files`), never the trainer's tensors.
-    Engines that serve it already report it ``unchanged`` and move nothing. Returns the publish
+    Engines that serve it already report it ``unchanged`` and move nothing; every engine it loads
+    on is checked against the probe the version was published with (a restore never serves a
+    version unverified, nor one that failed its probe there). Returns the publish
     report, or None when it failed outright (then ``report`` says so for the tenant)."""
     assert tenant.version is not None
     try:
         source = tenant._copy if tenant._copy is not None else await asyncio.to_thread(from_files, tenant)
-        return await tenant.publisher.apublish(source, version=tenant.version)
+        return await tenant.publisher.apublish(source, version=tenant.version, verify=tenant._probe)
     except LoraSyncError as exc:
         report.tenants[tenant.name] = TenantReport(tenant.name, tenant.registration, "failed", tenant.version, tenant.served_name, error=exc)
         return None

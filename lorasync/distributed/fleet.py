@@ -32,8 +32,10 @@ from torch import nn
 
 from lorasync._adapter import Adapter
 from lorasync._collectives import all_gather_json, collective_device, decode_json, encode_json, gather_json
+from lorasync._digest import PublishDigest
 from lorasync._fleet import Fleet
 from lorasync._fleet_plan import FleetReport, TenantReport
+from lorasync._fleet_round import check_round
 from lorasync._probe import Probe
 from lorasync.distributed._agree import agree_on_error
 from lorasync.distributed._fleet_report import DistributedFleetReport, decode_tenants, encode_tenants
@@ -189,7 +191,7 @@ class DistributedFleet:
         payloads: dict[str, torch.Tensor] = {}
         if self.rank == self.src:
             try:
-                payloads = self._payloads(call, adapters or {}, versions or {}, verify or {})
+                payloads = self._payloads(call, adapters, versions, verify)
             except LoraSyncError as exc:
                 call["error"] = encode_error(exc)
         call = self._broadcast(call)
@@ -247,36 +249,41 @@ class DistributedFleet:
 
     # -- parts ----------------------------------------------------------------------------------------
 
-    def _payloads(self, call: dict[str, Any], adapters: Mapping[str, AdapterLike], versions: Mapping[str, int], probes: Mapping[str, Probe]) -> dict[str, torch.Tensor]:
-        """On ``src``: fill ``call`` (versions, sizes of the changed tenants, tenants failed here)
-        and serialise what changed."""
+    def _payloads(self, call: dict[str, Any], adapters: Any, versions: Any, verify: Any) -> dict[str, torch.Tensor]:
+        """On ``src``: check the round as :meth:`Fleet.publish` does (before anything is sent),
+        fill ``call`` (versions, sizes of the changed tenants, tenants failed here) and serialise
+        what changed. Hash and serialisation read the trainer's tensors under one torn-read watch
+        (the publisher's :class:`~lorasync._digest.PublishDigest`): a tenant whose tensors changed
+        meanwhile fails alone, and nothing of a mix of two steps crosses."""
         from lorasync.exporters.fsdp import export
 
         self._pending = {}
         payloads = {}
-        for name in adapters:
-            if name not in self.tenants:
-                raise ConfigError(f"no tenant {name!r} in this distributed fleet (registered: {', '.join(self.tenants) or 'none'}); register it first (on every rank)")
-            if name not in versions:
-                raise ConfigError(f"no version for tenant {name!r}: pass versions={{{name!r}: step, ...}} for every adapter")
-        for name, probe in probes.items():
-            if name not in adapters or not isinstance(probe, Probe):
-                raise ConfigError(f"verify={{{name!r}: ...}} needs a lorasync.Probe for a tenant in adapters, got {type(probe).__name__} for {name!r}")
+        checked = check_round(adapters, versions, verify, known=self._known)
+        probes: Mapping[str, Probe] = verify or {}
         for name, adapter in adapters.items():
-            call["versions"][name] = versions[name]
+            call["versions"][name] = checked[name]
             try:
                 if not isinstance(adapter, Adapter):
                     adapter = export(adapter)
-                digest = adapter.content_hash
+                watched = PublishDigest(adapter)
+                digest = watched.hash_now(lambda a: a.content_hash)
                 if digest == self._hashes.get(name):
                     continue  # every node serves this content: nothing crosses, the version stays
-                payloads[name] = encode_adapter(adapter, probe=probes.get(name), device=self._device)
+                payload = encode_adapter(adapter, probe=probes.get(name), device=self._device)
+                if (torn := watched.changed()) is not None:
+                    raise watched.error(torn, "while they were serialised for the other nodes")
+                payloads[name] = payload
                 call["sizes"][name], self._pending[name] = int(payloads[name].numel()), digest
             except Exception as exc:  # this tenant alone, and broadcast: src must never raise alone (the ranks would fall out of step)
                 error = exc if isinstance(exc, LoraSyncError) else ExportError(f"tenant {name!r}: cannot export its adapter: {type(exc).__name__}: {exc}")
                 call["failed"][name] = encode_error(error)
                 del call["versions"][name]
         return payloads
+
+    def _known(self, name: str) -> None:
+        if name not in self.tenants:
+            raise ConfigError(f"no tenant {name!r} in this distributed fleet (registered: {', '.join(self.tenants) or 'none'}); register it first (on every rank)")
 
     def _decoded(self, payloads: dict[str, torch.Tensor], sizes: Mapping[str, int]) -> tuple[dict[str, tuple[Adapter, Probe | None]], dict[str, LoraSyncError]]:
         """The adapters a leader received, and the tenants whose bytes did not decode (each fails

@@ -23,6 +23,7 @@ from lorasync.engines._engine import Engine
 from lorasync.errors import ConfigError, DuplicateRegistrationError, RegistryError, UnknownEngineError
 
 __all__ = [
+    "engine_list",
     "BUILTIN_ENGINES",
     "ENGINE_GROUP",
     "Registry",
@@ -222,10 +223,36 @@ def connect(kind: str, url: str = "", *, registry: Registry | None = None, **opt
 
 
 def parse_engine_spec(spec: str | Engine, *, registry: Registry | None = None) -> Engine:
-    """``"vllm:http://127.0.0.1:8000"`` → connected client; an Engine passes through."""
+    """``"vllm:http://127.0.0.1:8000"`` → connected client; an Engine passes through.
+
+    Raises:
+        ConfigError: ``spec`` is neither an Engine nor a spec string.
+    """
     if isinstance(spec, Engine):
         return spec
+    if not isinstance(spec, str):
+        raise ConfigError(f"an engine must be a lorasync Engine (lorasync.engines.connect(...)) or a spec like 'vllm:http://127.0.0.1:8000', got {type(spec).__name__}")
     kind, sep, url = spec.partition(":")
     if not kind:
         raise ConfigError(f"engine spec {spec!r} must look like 'vllm:http://host:port' or 'peft'")
     return connect(kind, url if sep else "", registry=registry)
+
+
+def engine_list(engines: object, *, what: str) -> list[Engine]:
+    """The engines a publisher or fleet was given (one, or an iterable of engines and specs),
+    each checked before any is connected.
+
+    Raises:
+        ConfigError: not an engine, a spec or an iterable of them, or none at all.
+    """
+    if isinstance(engines, (Engine, str)):
+        engines = [engines]
+    if engines is None or isinstance(engines, (bytes, dict)) or not hasattr(engines, "__iter__"):
+        raise ConfigError(f"{what} needs engines: an Engine, a spec like 'vllm:http://127.0.0.1:8000', or a list of them; got {type(engines).__name__}")
+    listed = list(engines)  # type: ignore[call-overload]
+    for spec in listed:
+        if not isinstance(spec, (Engine, str)):
+            raise ConfigError(f"{what}: an engine must be a lorasync Engine (lorasync.engines.connect(...)) or a spec like 'vllm:http://127.0.0.1:8000', got {type(spec).__name__}")
+    if not listed:
+        raise ConfigError(f"{what} needs at least one engine")
+    return [parse_engine_spec(e) for e in listed]

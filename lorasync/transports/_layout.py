@@ -31,6 +31,7 @@ from lorasync.transports._trust import check_folder, describe_open_error, folder
 
 __all__ = [
     "begin_run",
+    "end_run_at",
     "HIDDEN",
     "HOLDERS",
     "META",
@@ -338,3 +339,19 @@ def retire_run(name_fd: int, run: str, run_fd: int) -> None:
         os.rmdir(run, dir_fd=name_fd)
     except OSError:
         pass
+
+
+def end_run_at(name_fd: int, run: str) -> bool:
+    """Remove the owner's own run ``run`` once no version is left in it (its owner gives it up
+    for good); True when it is gone (or was), False when versions or foreign entries are left."""
+    run_fd = open_run(name_fd, run)
+    if run_fd is None:
+        return run not in runs_at(name_fd)
+    try:
+        if versions_at(run_fd):
+            return False
+        remove_hidden(run_fd)
+        retire_run(name_fd, run, run_fd)  # leaves a run holding foreign entries
+    finally:
+        os.close(run_fd)
+    return run not in runs_at(name_fd)

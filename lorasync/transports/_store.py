@@ -45,7 +45,7 @@ from lorasync._adapter import Adapter
 from lorasync._names import validate_name, validate_version
 from lorasync.errors import ConfigError, PublishError, StorageError
 from lorasync.transports._fsutil import errno_of, remove_tree_at, remove_version
-from lorasync.transports._layout import HOLDERS, META, OWNER_LOCK, begin_run, put_holders, read_version_file, runs_at, seal_version, sweep_dead_runs, take_run
+from lorasync.transports._layout import HOLDERS, META, OWNER_LOCK, begin_run, end_run_at, put_holders, read_version_file, runs_at, seal_version, sweep_dead_runs, take_run
 from lorasync.transports._layout import recorded_hash as _recorded_hash  # META, OWNER_LOCK: also here, for callers
 from lorasync.transports._layout import versions_in as _versions_in
 from lorasync.transports._trust import check_ancestors, folders, make_ancestors, root_path
@@ -190,6 +190,21 @@ class DiskStore:
             for run_dir in self._owner.values():
                 _LIVE.discard(run_dir)
             self._owner = {}
+
+    def end_run(self, name: str) -> bool:
+        """Give this run of ``name`` up for good (its folder, then its lock) once no version is left
+        in it: False (still owned) otherwise. A Fleet's retirement: register / retire cycles keep
+        descriptors and the store flat. Raises ConfigError as :meth:`own`."""
+        self._same_process()
+        run_dir = self.run_dir(name)
+        with self._name_dir(name, create=False) as name_fd, _GUARD:
+            if name_fd is not None and not end_run_at(name_fd, self.run):
+                return False
+            if (lock := _OWNED.pop(run_dir, None)) is not None:
+                os.close(lock)  # after the folder went: no sweep can take a run still in it
+            _LIVE.discard(run_dir)
+            self._owner.pop(name, None)
+        return True
 
     def runs(self, name: str) -> list[str]:
         """Every run directory of ``name`` under the root (this run included): real folders of

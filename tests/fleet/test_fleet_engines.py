@@ -214,8 +214,11 @@ def test_an_added_engine_is_verified_with_each_tenants_probe(trainer, engine, ot
     wrong = Probe.from_model(trainer(seed=77), PROMPT, max_tokens=4)  # another model's tokens
     with Fleet([engine], root=tmp_path) as fleet:
         fleet.register("a", keep=1, verify=right["a"])
-        fleet.register("b", keep=1, verify=wrong)  # b's own probe cannot pass: its restores fail
+        fleet.register("b", keep=1, verify=wrong)  # b's default probe cannot pass
         fleet.publish(adapters(models), versions={"a": 1, "b": 1}, verify={"b": right["b"]}).raise_for_errors()
+        # b@v1 passed the round's probe, not b's default: that probe is what checks it on the new
+        # engine (a restore is verified with the probe its version was published with).
+        fleet.tenants["b"]._probe = wrong  # as if b@v1 had been verified with a probe the engine cannot reproduce
         report = fleet.add_engine(other)
         added = {n: report[n].results[1] for n in models}  # results follow fleet.engines (both PEFT engines share a url)
         assert report["a"].status == "restored" and "verified through the engine" in added["a"].reason
@@ -224,3 +227,7 @@ def test_an_added_engine_is_verified_with_each_tenants_probe(trainer, engine, ot
         assert other.list_adapters() == ["a@v1"] and fleet.engines == [engine, other]
         check_serves(other, "a@v1", models["a"])
         check_serves(engine, "b@v1", models["b"])  # b still serves where it was
+        fleet.tenants["b"]._probe = right["b"]
+        again = fleet.restore()  # the probe b@v1 passed: it passes on the new engine too
+        assert again["b"].status == "restored" and "verified through the engine" in again["b"].results[1].reason
+        check_serves(other, "b@v1", models["b"])
