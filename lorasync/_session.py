@@ -3,8 +3,11 @@ context managers, sync and async, each behind the one guard of :mod:`lorasync._l
 (design invariant 10: no call hangs). :class:`~lorasync.Publisher` inherits it; its constructor
 makes the parts this class uses (listed below as annotations).
 
-* Pins never wait: a pin is a counter under a lock held for the update only, so ``apin`` and
-  ``alease`` are safe next to a running ``apublish`` on the same loop.
+* Pins never wait: a pin is a counter under a lock held for the update only, so ``pin``,
+  ``unpin`` and ``lease`` (and their ``a``-twins) are safe anywhere, also from a coroutine next to
+  a running ``apublish`` on the same loop or from inside the publisher's own call. They are not
+  refused there: a refusal that depended on whether a publish had reached the loop yet gave one
+  program two outcomes.
 * ``close`` is idempotent. It refuses new calls, fails the calls waiting for the publisher's lock
   at once (``PublisherClosedError``), lets the call in flight finish, retires what has drained
   (bounded), then closes connections and stops the loop thread.
@@ -67,17 +70,17 @@ class PublisherLife:
     def pin(self, version: int) -> None:
         """Never retire ``version`` (on any engine) until :meth:`unpin`; pins nest.
 
+        Never waits, so it is safe from a coroutine too (:meth:`apin` is the same call).
+
         Raises:
-            BlockingCallError: in async code that runs this publisher (use :meth:`apin`).
             PublisherClosedError: the publisher was closed.
         """
-        self._life.check_sync("pin()", "await pub.apin(version)")
+        self._life.check_open("pin()")
         self._add_pin(validate_version(version))
 
     def unpin(self, version: int) -> None:
         """Undo one :meth:`pin`; the version retires on the next publish once it is outside the
-        window. After ``close`` it does nothing."""
-        self._life.check_sync("unpin()", "await pub.aunpin(version)", must_be_open=False)
+        window. After ``close`` it does nothing. Never waits (safe from a coroutine)."""
         self._drop_pin(validate_version(version))
 
     async def apin(self, version: int) -> None:
@@ -94,13 +97,17 @@ class PublisherLife:
         """Pin ``version`` for the ``with`` block (rollouts that run on it); yields the name that
         serves it, as its report's ``served_name`` says: an earlier version's name where the
         publish of ``version`` was "unchanged" (that version is pinned then), the plain name in
-        place.
+        place. Never waits, so a plain ``with`` is safe in a coroutine too (``alease`` is the
+        same lease).
+
+        Raises:
+            PublisherClosedError: the publisher was closed.
 
         Example:
             >>> with pub.lease(step) as model:  # doctest: +SKIP
             ...     rollouts = sample(model=model)
         """
-        self._life.check_sync("lease()", "async with pub.alease(version)")
+        self._life.check_open("lease()")
         held = self._serving(validate_version(version))
         self._add_pin(held)
         try:

@@ -1,0 +1,83 @@
+"""Event loops, lifecycle and ownership (issue 33, items 12, 13, 15, 17, 18): no sync call waits
+on a loop it runs on, a pin never waits, nothing a publisher owns outlives it, and no exit or
+publish waits out an engine call that nobody needs any more.
+
+Every call that could hang runs under a bound, so a regression fails instead of hanging; the
+timing bounds are far above what the fixed code takes and far below what the bugs cost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lorasync import Publisher
+from lorasync.errors import BlockingCallError, EngineTimeoutError
+from lorasync.testing import MemoryEngine
+from tests.reliability.test_trust_lifecycle import BOUND_S, bounded
+from tests.support.adapters import tiny_adapter as adapter
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class Gated(MemoryEngine):
+    """A server whose loads of ``gated`` wait for ``go``; ``loading`` says one started."""
+
+    def __init__(self, gated: str) -> None:
+        super().__init__()
+        self.gated = gated
+        self.loading = threading.Event()
+        self.go = threading.Event()
+
+    def load_adapter(self, name, path):
+        if name == self.gated:
+            self.loading.set()
+            if not self.go.wait(BOUND_S):
+                raise EngineTimeoutError("the test never let the load go", engine=self.kind)
+        super().load_adapter(name, path)
+
+
+# -- item 12: lease/pin from a coroutine while apublish runs on its loop ---------------------------
+
+
+@pytest.mark.parametrize("when", ["before the publish started", "while the engine loads"])
+def test_a_sync_lease_in_a_coroutine_while_apublish_runs_pins_and_never_waits(tmp_path, when):
+    # 090ffbd: refused or passed depending on whether the publish had reached the loop yet (the
+    # same program, two outcomes); reported as a deadlock. A pin is a counter: it never waits, so
+    # it is safe anywhere, and the retirement running meanwhile keeps the leased version.
+    engine = Gated("p@v2")
+    pub = Publisher([engine], name="p", keep=1, root=tmp_path, grace=0.0)
+
+    async def trainer() -> tuple[Any, list[str], list[str]]:
+        await (await pub.apublish(adapter(1), version=1)).asettled()
+        publishing = asyncio.ensure_future(pub.apublish(adapter(2), version=2))
+        if when == "while the engine loads":
+            while not engine.loading.is_set():
+                await asyncio.sleep(0.01)
+        with pub.lease(1) as model:
+            pub.pin(1)
+            pub.unpin(1)
+            assert model == "p@v1" and pub.pinned == frozenset({1})
+            engine.go.set()
+            report = await (await publishing).asettled()
+            leased = engine.list_adapters()
+        assert pub.pinned == frozenset()
+        await pub.acollect()
+        after = engine.list_adapters()
+        await pub.aclose()
+        return report, leased, after
+
+    report, leased, after = bounded(asyncio.run, trainer(), what="lease() from the loop running apublish")
+    assert report.ok and report.results[0].retired == [], report
+    assert sorted(leased) == ["p@v1", "p@v2"]  # the leased version stayed loaded
+    assert after == ["p@v2"]  # and retired once the lease ended
