@@ -81,3 +81,77 @@ def test_a_sync_lease_in_a_coroutine_while_apublish_runs_pins_and_never_waits(tm
     assert report.ok and report.results[0].retired == [], report
     assert sorted(leased) == ["p@v1", "p@v2"]  # the leased version stayed loaded
     assert after == ["p@v2"]  # and retired once the lease ended
+
+
+# -- items 13 and 17: no exit waits out an engine call nobody needs any more -------------------------
+
+
+class SlowUnload(MemoryEngine):
+    """A server whose unloads take until ``release`` (a slow background retirement)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.unloading = threading.Event()
+        self.release = threading.Event()
+
+    def unload_adapter(self, name):
+        self.unloading.set()
+        self.release.wait(BOUND_S)
+        super().unload_adapter(name)
+
+
+def test_leaving_a_sync_with_in_async_code_after_apublish_raises_at_once(tmp_path):
+    # 090ffbd: the BlockingCallError was raised at once inside the coroutine, but asyncio.run then
+    # waited for its executor thread, still in the slow unload of the retirement, before the
+    # error reached the caller: 9.7 s of stall, then the error.
+    engine = SlowUnload()
+    seen: dict[str, float] = {}
+
+    async def trainer() -> None:
+        with Publisher([engine], name="p", keep=1, root=tmp_path, grace=0.0) as pub:
+            await pub.apublish(adapter(1), version=1)
+            await pub.apublish(adapter(2), version=2)
+            while not engine.unloading.is_set():  # the retirement of v1 is in the engine
+                await asyncio.sleep(0.01)
+            seen["left"] = time.monotonic()
+
+    try:
+        with pytest.raises(BlockingCallError, match=r"await pub\.aclose\(\)"):
+            bounded(asyncio.run, trainer(), what="leaving `with Publisher` in async code")
+        stall = time.monotonic() - seen["left"]
+    finally:
+        engine.release.set()
+    assert stall < 3.0, f"the error reached the caller {stall:.1f} s after the block was left"
+
+
+_SCRIPT = """
+import sys, threading, time
+from lorasync import Publisher
+from lorasync.testing import MemoryEngine
+from tests.support.adapters import tiny_adapter as adapter
+
+class SlowUnload(MemoryEngine):
+    def unload_adapter(self, name):
+        time.sleep(60)  # the engine takes its time; the script is done
+        super().unload_adapter(name)
+
+pub = Publisher([SlowUnload()], name="p", keep=1, root=sys.argv[1], grace=0.0)
+pub.publish(adapter(1), version=1)
+pub.publish(adapter(2), version=2)  # its retirement of v1 runs on, in the background
+time.sleep(0.5)
+print("END", time.monotonic(), flush=True)
+"""
+
+
+def test_a_script_that_never_closes_its_publisher_exits_promptly(tmp_path):
+    # 090ffbd: the interpreter joined the executor thread stuck in the background unload (13.6 s),
+    # then printed "cannot schedule new futures after shutdown" from the retirement.
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_SCRIPT), str(tmp_path)],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=BOUND_S,
+    )
+    ended = time.monotonic()
+    assert proc.returncode == 0, proc.stderr
+    last = float(proc.stdout.split("END")[-1])
+    assert ended - last < 5.0, f"the script took {ended - last:.1f} s to exit after its last line"
+    assert "Traceback" not in proc.stderr, proc.stderr
