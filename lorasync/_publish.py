@@ -117,9 +117,9 @@ class Publisher(PublisherLife):
         max_staleness: int | None = None,
         retention: Retention | None = None,
     ) -> None:
-        if isinstance(engines, (Engine, str)):
-            engines = [engines]
-        self.engines = [parse_engine_spec(e) for e in engines]
+        given = [engines] if isinstance(engines, (Engine, str)) else list(engines)
+        self.engines = [parse_engine_spec(e) for e in given]
+        self._made = [e for spec, e in zip(given, self.engines) if isinstance(spec, str)]  # its own clients
         if not self.engines:
             raise ConfigError("publish needs at least one engine")
         refuse_duplicates(self.engines)

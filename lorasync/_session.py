@@ -13,13 +13,19 @@ makes the parts this class uses (listed below as annotations).
   (bounded), then closes connections and stops the loop thread.
 * In a forked child, ``close``/``aclose`` let go of the parent's copy without touching anything
   the parent still uses (loop, sockets, store); every other call is a ``PublisherClosedError``.
+* A publisher collected without ``close`` gives back what it owns (:func:`_let_go`, a
+  ``weakref.finalize``): its loop thread and loop (threads, descriptors), its run in the store
+  (another publisher may take it over), the engine clients it made from specs. Not at exit: the
+  process's end releases all of that anyway, and waiting for a retirement then would hold the exit.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import threading
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -45,6 +51,7 @@ class PublisherLife:
 
     name: str
     engines: list[Engine]
+    _made: list[Engine]  # the engines it made from specs (its own to close)
     store: DiskStore
     _pins: dict[int, int]
     _pins_guard: threading.Lock
@@ -62,6 +69,8 @@ class PublisherLife:
         self._lock = LoopLock()
         self._loop = LoopThread()
         self._life = Lifecycle(own_loops=self._own_loops, on_fork=self._forget_after_fork)
+        # Only what the publisher owns, never the publisher itself (it would never be collected).
+        weakref.finalize(self, _let_go, self._loop, self.store, list(self._made), os.getpid()).atexit = False
 
     def _sync_guard(self, call: str, twin: str) -> None:
         """The guard ``report.settled()`` passes (it may run after ``close``)."""
@@ -278,6 +287,17 @@ class PublisherLife:
 
     async def __aexit__(self, *exc: Any) -> None:
         await self.aclose()
+
+
+def _let_go(loop: LoopThread, store: DiskStore, made: list[Engine], pid: int) -> None:
+    """A collected publisher's close (see the module docstring); idempotent after ``close``."""
+    if pid != os.getpid():
+        return  # a forked child's copy: the loop thread, run and connections are the parent's
+    loop.stop()
+    store.close()
+    for engine in made:
+        with contextlib.suppress(Exception):
+            engine.close()
 
 
 async def aclose_all(engines: Iterable[Engine]) -> None:

@@ -155,3 +155,47 @@ def test_a_script_that_never_closes_its_publisher_exits_promptly(tmp_path):
     last = float(proc.stdout.split("END")[-1])
     assert ended - last < 5.0, f"the script took {ended - last:.1f} s to exit after its last line"
     assert "Traceback" not in proc.stderr, proc.stderr
+
+
+# -- item 18: a publisher nobody closed is closed when it is collected -------------------------------
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _threads(before: set[threading.Thread]) -> list[str]:
+    deadline = time.monotonic() + 10.0  # idle I/O threads end by themselves within a second
+    while True:
+        left = sorted(t.name for t in threading.enumerate() if t not in before and t.is_alive())
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)
+
+
+def test_publishers_dropped_without_close_give_back_their_threads_and_descriptors(tmp_path):
+    # 090ffbd: five publishers dropped without close() left five lorasync-publisher threads (and
+    # their event loops' descriptors) alive: nothing closed a collected publisher.
+    def five(close: bool, root: Path) -> None:
+        for _ in range(5):
+            pub = Publisher([MemoryEngine()], name="p", keep=1, root=root)
+            pub.publish(adapter(1), version=1).settled(timeout=BOUND_S)
+            if close:
+                pub.close()
+            del pub
+
+    before = set(threading.enumerate())
+    fds = _fds()
+    five(True, tmp_path / "closed")
+    gc.collect()
+    assert _threads(before) == []
+    closed_fds = _fds() - fds  # what closed publishers keep by design (each fresh run's lock)
+    fds = _fds()
+    five(False, tmp_path / "dropped")
+    gc.collect()
+    assert _threads(before) == []
+    assert _fds() - fds == closed_fds
+    # Their runs are free again: a new publisher of this process may take one over.
+    run = next(p.name for p in (tmp_path / "dropped" / "p").iterdir())
+    with Publisher([MemoryEngine()], name="p", keep=1, root=tmp_path / "dropped", run=run) as pub:
+        assert pub.publish(adapter(2), version=2).ok
