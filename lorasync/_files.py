@@ -10,13 +10,14 @@ job's orphan sweep, after this process is gone, keeps what an engine it cannot a
 
 from __future__ import annotations
 
-import asyncio
+
 import json
 import os
 import time
 from collections.abc import Iterable
 from pathlib import Path
 
+from lorasync._loop import to_thread
 from lorasync._names import served_name, validate_name, validate_version
 from lorasync.engines._engine import is_in_process_id
 from lorasync.errors import LoraSyncError
@@ -124,7 +125,7 @@ class VersionFiles:
         Returns:
             The versions removed.
         """
-        published = await asyncio.to_thread(self.store.versions, self.name)
+        published = await to_thread(self.store.versions, self.name)
         protected = set(held) | set(pins) | set(sorted(published)[-keep:])
         busy = None if in_use is None else set(in_use)
         now = time.time()
@@ -145,7 +146,7 @@ class VersionFiles:
                 if busy is not None and served_name(self.name, version) in busy:
                     continue  # unloaded anyway (drain timeout), but a request still runs on it
             try:
-                await asyncio.to_thread(self.store.remove, self.name, version)
+                await to_thread(self.store.remove, self.name, version)
             except LoraSyncError:
                 continue  # best effort: a later publish collects it
             self._holders.pop(version, None)

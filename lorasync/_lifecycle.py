@@ -7,7 +7,7 @@
   closing a copy of the parent's event loop would unregister the parent's descriptors from the
   epoll set both share); every call there is a ``PublisherClosedError`` that says to make a new
   publisher, and ``close()`` lets go quietly.
-* A blocking (sync) call is refused with ``BlockingCallError`` where it would deadlock or stall:
+* A blocking (sync) call (not a pin or lease: those never wait) is refused with ``BlockingCallError`` where it would deadlock or stall:
   on a loop that runs this publisher's async work (its own loop thread, or a loop an ``a``-method
   ran on, whose background retirement it would wait for), on a loop an engine needs
   (:meth:`Engine.home_loop`, an AsyncLLM's), or from inside this publisher's own call (an engine

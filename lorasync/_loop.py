@@ -2,6 +2,12 @@
 (:class:`LoopThread`) and the lock its calls share across loops and threads (:class:`LoopLock`).
 The background phase a publish leaves running is :mod:`lorasync._background`'s.
 
+Blocking engine and file calls run in daemon threads of lorasync's own (:func:`to_thread`,
+:class:`DaemonPool`), never in a thread the interpreter or ``asyncio.run`` joins at its end: a
+publish's background retirement stuck in a slow engine unload must not hold a script's exit, or
+the exit of ``asyncio.run``, until the engine answers (issue 33, items 13 and 17). Whatever such a
+call left undone is found again from the engine's own listing by the next publisher of the run.
+
 ``Publisher.publish`` (sync) submits its coroutine to the loop thread, so engine clients keep
 their connections (and TLS setup) from step to step, whether or not the caller's thread already
 runs a loop (notebooks, async trainers); ``apublish`` runs on the caller's loop. Both take the
@@ -18,14 +24,21 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import contextvars
+import functools
+import itertools
+import queue
+import os
 import threading
+import time
+import weakref
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from lorasync.errors import PublisherClosedError
 
-__all__ = ["UNWIND_S", "LoopLock", "LoopThread", "held"]
+__all__ = ["UNWIND_S", "DaemonPool", "LoopLock", "LoopThread", "held", "to_thread"]
 
 T = TypeVar("T")
 
@@ -36,6 +49,107 @@ UNWIND_S = 2.0
 #: Loops a forked child inherited: kept referenced and never closed there, because closing (or
 #: collecting) one would unregister its descriptors from the epoll set it shares with the parent.
 _INHERITED: list[Any] = []
+
+
+class DaemonPool(concurrent.futures.ThreadPoolExecutor):
+    """A thread pool whose threads are daemon and end after ``idle_s`` without work.
+
+    ``concurrent.futures.ThreadPoolExecutor`` joins its threads when the interpreter exits (and
+    ``asyncio.run`` when it returns), however long the call they run takes; this one does not.
+    ``shutdown(wait=True)`` still joins its threads (a closed publisher leaves none behind). A
+    ``ThreadPoolExecutor`` by type only (``loop.set_default_executor`` takes nothing else); every
+    method it has is its own.
+    """
+
+    def __init__(self, name: str, *, max_workers: int = 32, idle_s: float = 1.0) -> None:  # noqa: D107 - no super(): none of its state is used
+        self._name = name
+        self._max = max_workers
+        self._idle_s = idle_s
+        self._queue: queue.SimpleQueue[tuple[concurrent.futures.Future[Any], Callable[[], Any]] | None] = queue.SimpleQueue()
+        self._mutex = threading.Lock()
+        self._threads: set[threading.Thread] = set()
+        self._free = 0  # threads waiting for work
+        self._queued = 0  # work not taken yet
+        self._shut = False
+        self._ids = itertools.count()
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> concurrent.futures.Future[T]:  # type: ignore[override]
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        with self._mutex:
+            if self._shut:
+                raise RuntimeError("cannot schedule new work after shutdown")
+            self._queued += 1
+            self._queue.put((future, functools.partial(fn, *args, **kwargs)))
+            if self._free < self._queued and len(self._threads) < self._max:
+                thread = threading.Thread(target=self._work, name=f"{self._name}_{next(self._ids)}", daemon=True)
+                self._threads.add(thread)
+                thread.start()
+        return future
+
+    def _work(self) -> None:
+        me = threading.current_thread()
+        while True:
+            with self._mutex:
+                self._free += 1
+            try:
+                item = self._queue.get(timeout=self._idle_s)
+            except queue.Empty:
+                item = None
+            with self._mutex:
+                self._free -= 1
+                if item is None:  # idle, or woken by shutdown
+                    if self._queued == 0:
+                        self._threads.discard(me)
+                        return
+                    continue  # work came in meanwhile: take it
+                self._queued -= 1
+            future, call = item
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(call())
+                except BaseException as exc:  # noqa: BLE001 - handed to whoever awaits it
+                    future.set_exception(exc)
+            del item, future, call
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """Take no more work; end the threads once the work queued is done (``wait``: join them)."""
+        with self._mutex:
+            self._shut = True
+            threads = list(self._threads)
+        for _ in threads:
+            self._queue.put(None)  # wakes a waiting thread at once
+        if wait:
+            self.join(None)
+
+    def join(self, timeout: float | None) -> bool:
+        """Wait for the threads (at most ``timeout`` seconds in all); whether they all ended."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._mutex:
+            threads = [t for t in self._threads if t is not threading.current_thread()]
+        for thread in threads:
+            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in threads)
+
+    def after_fork(self) -> None:
+        """In a forked child: the parent's threads do not exist here; start afresh."""
+        self._mutex = threading.Lock()
+        self._queue = queue.SimpleQueue()
+        self._threads = set()
+        self._free = self._queued = 0
+
+
+#: Where :func:`to_thread` runs calls from a loop that is not a publisher's own (the caller's).
+_SHARED = DaemonPool("lorasync-io")
+#: A publisher loop's own pool (its default executor), ended with the loop.
+_POOLS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, DaemonPool] = weakref.WeakKeyDictionary()
+
+
+async def to_thread(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+    """``asyncio.to_thread`` in a daemon thread (see the module docstring): the context variables
+    follow the call, as they do with ``asyncio.to_thread``."""
+    loop = asyncio.get_running_loop()
+    call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)
+    return await loop.run_in_executor(_POOLS.get(loop, _SHARED), call)
 
 
 class LoopThread:
@@ -77,6 +191,9 @@ class LoopThread:
                 raise PublisherClosedError("the publisher was closed; make a new Publisher to publish again")
             if self._loop is None:
                 loop = asyncio.new_event_loop()
+                pool = DaemonPool(f"{self._name}-io")
+                loop.set_default_executor(pool)  # its asyncio.to_thread calls: daemon threads too
+                _POOLS[loop] = pool
                 thread = threading.Thread(target=_serve, args=(loop,), name=self._name, daemon=True)
                 thread.start()
                 self._loop, self._thread = loop, thread
@@ -137,11 +254,17 @@ def _serve(loop: asyncio.AbstractEventLoop) -> None:
             if left:
                 loop.run_until_complete(asyncio.wait(left, timeout=UNWIND_S))
             # Its worker threads (engine calls, file writes) end before close() returns, so a
-            # closed publisher leaves no thread behind; bounded: a stuck engine call is not waited out.
-            with contextlib.suppress(asyncio.TimeoutError, RuntimeError):
-                loop.run_until_complete(asyncio.wait_for(loop.shutdown_default_executor(), UNWIND_S))
+            # closed publisher leaves no thread behind; bounded: a stuck engine call is not waited
+            # out (not loop.shutdown_default_executor: its joining thread is not a daemon).
+            pool = _POOLS.pop(loop, None)
+            if pool is not None:
+                pool.shutdown(wait=False)
+                pool.join(UNWIND_S)
         finally:
             loop.close()
+
+
+os.register_at_fork(after_in_child=_SHARED.after_fork)
 
 
 # -- the lock -------------------------------------------------------------------------------------

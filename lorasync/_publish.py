@@ -117,7 +117,8 @@ class Publisher(PublisherLife):
         max_staleness: int | None = None,
         retention: Retention | None = None,
     ) -> None:
-        self.engines = engine_list(engines, what="publish")
+        self._made: list[Engine] = []  # its own clients (built from spec strings), closed with it
+        self.engines = engine_list(engines, what="publish", made=self._made)
         refuse_duplicates(self.engines)
         self.name = validate_name(name)
         if not isinstance(transport, str) or transport not in TRANSPORTS:

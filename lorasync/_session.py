@@ -3,20 +3,29 @@ context managers, sync and async, each behind the one guard of :mod:`lorasync._l
 (design invariant 10: no call hangs). :class:`~lorasync.Publisher` inherits it; its constructor
 makes the parts this class uses (listed below as annotations).
 
-* Pins never wait: a pin is a counter under a lock held for the update only, so ``apin`` and
-  ``alease`` are safe next to a running ``apublish`` on the same loop.
+* Pins never wait: a pin is a counter under a lock held for the update only, so ``pin``,
+  ``unpin`` and ``lease`` (and their ``a``-twins) are safe anywhere, also from a coroutine next to
+  a running ``apublish`` on the same loop or from inside the publisher's own call. They are not
+  refused there: a refusal that depended on whether a publish had reached the loop yet gave one
+  program two outcomes.
 * ``close`` is idempotent. It refuses new calls, fails the calls waiting for the publisher's lock
   at once (``PublisherClosedError``), lets the call in flight finish, retires what has drained
   (bounded), then closes connections and stops the loop thread.
 * In a forked child, ``close``/``aclose`` let go of the parent's copy without touching anything
   the parent still uses (loop, sockets, store); every other call is a ``PublisherClosedError``.
+* A publisher collected without ``close`` gives back what it owns (:func:`_let_go`, a
+  ``weakref.finalize``): its loop thread and loop (threads, descriptors), its run in the store
+  (another publisher may take it over), the engine clients it made from specs. Not at exit: the
+  process's end releases all of that anyway, and waiting for a retirement then would hold the exit.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import threading
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -42,6 +51,7 @@ class PublisherLife:
 
     name: str
     engines: list[Engine]
+    _made: list[Engine]  # the engines it made from specs (its own to close)
     store: DiskStore
     _pins: dict[int, int]
     _pins_guard: threading.Lock
@@ -60,6 +70,8 @@ class PublisherLife:
         self._lock = LoopLock()
         self._loop = LoopThread()
         self._life = Lifecycle(own_loops=self._own_loops, on_fork=self._forget_after_fork)
+        # Only what the publisher owns, never the publisher itself (it would never be collected).
+        weakref.finalize(self, _let_go, self._loop, self.store, list(self._made), os.getpid()).atexit = False
 
     def _sync_guard(self, call: str, twin: str) -> None:
         """The guard ``report.settled()`` passes (it may run after ``close``)."""
@@ -68,17 +80,17 @@ class PublisherLife:
     def pin(self, version: int) -> None:
         """Never retire ``version`` (on any engine) until :meth:`unpin`; pins nest.
 
+        Never waits, so it is safe from a coroutine too (:meth:`apin` is the same call).
+
         Raises:
-            BlockingCallError: in async code that runs this publisher (use :meth:`apin`).
             PublisherClosedError: the publisher was closed.
         """
-        self._life.check_sync("pin()", "await pub.apin(version)")
+        self._life.check_open("pin()")
         self._add_pin(validate_version(version))
 
     def unpin(self, version: int) -> None:
         """Undo one :meth:`pin`; the version retires on the next publish once it is outside the
-        window. After ``close`` it does nothing."""
-        self._life.check_sync("unpin()", "await pub.aunpin(version)", must_be_open=False)
+        window. After ``close`` it does nothing. Never waits (safe from a coroutine)."""
         self._drop_pin(validate_version(version))
 
     async def apin(self, version: int) -> None:
@@ -95,7 +107,11 @@ class PublisherLife:
         """Pin ``version`` for the ``with`` block (rollouts that run on it); yields the name that
         serves it, as its report's ``served_name`` says: an earlier version's name where the
         publish of ``version`` was "unchanged" (that version is pinned then), the plain name in
-        place.
+        place. Never waits, so a plain ``with`` is safe in a coroutine too (``alease`` is the
+        same lease).
+
+        Raises:
+            PublisherClosedError: the publisher was closed.
 
         Raises:
             VerificationError: the last publish of ``version`` failed its verification (it is not served).
@@ -104,7 +120,7 @@ class PublisherLife:
             >>> with pub.lease(step) as model:  # doctest: +SKIP
             ...     rollouts = sample(model=model)
         """
-        self._life.check_sync("lease()", "async with pub.alease(version)")
+        self._life.check_open("lease()")
         held = self._serving(validate_version(version))
         self._add_pin(held)
         try:
@@ -291,6 +307,17 @@ class PublisherLife:
 
     async def __aexit__(self, *exc: Any) -> None:
         await self.aclose()
+
+
+def _let_go(loop: LoopThread, store: DiskStore, made: list[Engine], pid: int) -> None:
+    """A collected publisher's close (see the module docstring); idempotent after ``close``."""
+    if pid != os.getpid():
+        return  # a forked child's copy: the loop thread, run and connections are the parent's
+    loop.stop()
+    store.close()
+    for engine in made:
+        with contextlib.suppress(Exception):
+            engine.close()
 
 
 async def aclose_all(engines: Iterable[Engine]) -> None:

@@ -34,6 +34,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from lorasync._loop import to_thread
 from lorasync.errors import CapabilityError, IncompatibleAdapterError, LoraNotEnabledError, RankTooLargeError
 
 if TYPE_CHECKING:
@@ -265,48 +266,48 @@ class Engine:
         """The event loop this engine's calls must run on (an AsyncLLM's), or None (any loop)."""
         return None
 
-    # -- async twins (default: the sync method in a worker thread) ---------------------------
+    # -- async twins (default: the sync method in a daemon worker thread, lorasync._loop.to_thread) --
 
     async def acapabilities(self) -> Capabilities:
-        return await asyncio.to_thread(self.capabilities)
+        return await to_thread(self.capabilities)
 
     async def aload_adapter(self, name: str, path: str | os.PathLike[str]) -> None:
-        await asyncio.to_thread(self.load_adapter, name, path)
+        await to_thread(self.load_adapter, name, path)
 
     async def aunload_adapter(self, name: str) -> None:
-        await asyncio.to_thread(self.unload_adapter, name)
+        await to_thread(self.unload_adapter, name)
 
     async def alist_adapters(self) -> list[str]:
-        return await asyncio.to_thread(self.list_adapters)
+        return await to_thread(self.list_adapters)
 
     async def aadapters_in_use(self) -> frozenset[str] | None:
-        return await asyncio.to_thread(self.adapters_in_use)
+        return await to_thread(self.adapters_in_use)
 
     async def aadapter_sources(self) -> Mapping[str, str | None] | None:
         if type(self).adapter_sources is Engine.adapter_sources:
             return None  # cannot tell: no thread hop for it
-        return await asyncio.to_thread(self.adapter_sources)
+        return await to_thread(self.adapter_sources)
 
     async def aload_adapter_tensors(self, name: str, adapter: Adapter) -> None:
-        await asyncio.to_thread(self.load_adapter_tensors, name, adapter)
+        await to_thread(self.load_adapter_tensors, name, adapter)
 
     async def areplace_adapter(self, name: str, path: str | os.PathLike[str]) -> None:
-        await asyncio.to_thread(self.replace_adapter, name, path)
+        await to_thread(self.replace_adapter, name, path)
 
     async def areplace_adapter_tensors(self, name: str, adapter: Adapter) -> None:
-        await asyncio.to_thread(self.replace_adapter_tensors, name, adapter)
+        await to_thread(self.replace_adapter_tensors, name, adapter)
 
     async def aupdate_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> None:
-        await asyncio.to_thread(self.update_weights, named_tensors)
+        await to_thread(self.update_weights, named_tensors)
 
     async def abegin_weight_update(self) -> None:
-        await asyncio.to_thread(self.begin_weight_update)
+        await to_thread(self.begin_weight_update)
 
     async def aend_weight_update(self) -> None:
-        await asyncio.to_thread(self.end_weight_update)
+        await to_thread(self.end_weight_update)
 
     async def agreedy(self, name: str | None, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
-        return await asyncio.to_thread(self.greedy, name, prompt_ids, max_tokens)
+        return await to_thread(self.greedy, name, prompt_ids, max_tokens)
 
     async def aclose(self) -> None:
         self.close()

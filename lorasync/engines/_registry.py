@@ -238,9 +238,10 @@ def parse_engine_spec(spec: str | Engine, *, registry: Registry | None = None) -
     return connect(kind, url if sep else "", registry=registry)
 
 
-def engine_list(engines: object, *, what: str) -> list[Engine]:
+def engine_list(engines: object, *, what: str, made: list[Engine] | None = None) -> list[Engine]:
     """The engines a publisher or fleet was given (one, or an iterable of engines and specs),
-    each checked before any is connected.
+    each checked before any is connected. ``made`` (optional) receives the clients built here
+    from spec strings: the caller's own, to close with it.
 
     Raises:
         ConfigError: not an engine, a spec or an iterable of them, or none at all.
@@ -255,4 +256,10 @@ def engine_list(engines: object, *, what: str) -> list[Engine]:
             raise ConfigError(f"{what}: an engine must be a lorasync Engine (lorasync.engines.connect(...)) or a spec like 'vllm:http://127.0.0.1:8000', got {type(spec).__name__}")
     if not listed:
         raise ConfigError(f"{what} needs at least one engine")
-    return [parse_engine_spec(e) for e in listed]
+    out = []
+    for spec in listed:
+        engine = parse_engine_spec(spec)
+        if made is not None and isinstance(spec, str):
+            made.append(engine)
+        out.append(engine)
+    return out

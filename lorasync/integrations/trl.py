@@ -13,12 +13,17 @@ failed (:func:`lorasync.distributed._agree.agree_on_error`), so a failure that s
 stops every rank at the same step instead of leaving the others in the next collective.
 
 Lifetime: the Publisher the callback makes is closed when training ends, when a publish of its
-own raises, by :meth:`LoraSyncCallback.close` (or leaving ``with LoraSyncCallback(...)``), and as
-a last resort when the callback is garbage-collected (at exit the process's end releases it).
-``transformers`` (5.x) calls no callback when ``trainer.train()`` raises elsewhere (a data
-collator, the model, another callback): ``on_train_end`` runs only after a finished loop, and
-``train()`` has no ``try``/``finally`` around it. So wrap ``trainer.train()`` in the ``with`` form, or call
-``close()`` in your ``except``/``finally``, to release the publisher at once.
+own raises, by :meth:`LoraSyncCallback.close` (or leaving ``with LoraSyncCallback(...)``), when
+the next ``train()`` begins on the thread a failed one ran on, and as a last resort when the
+callback is garbage-collected (at exit the process's end releases it). ``transformers`` (5.x)
+calls no callback when ``trainer.train()`` raises elsewhere (a data collator, the model, another
+callback): ``on_train_end`` runs only after a finished loop, there is no ``on_exception`` event,
+and a notebook keeps the traceback (so the trainer and its callbacks) alive. ``train()`` runs on
+its caller's thread until it returns or raises, so a callback whose training began on this thread
+and never ended is left over from a failed ``train()``: the next ``on_train_begin`` there (the
+same callback's or a new one's) closes its publisher first, and a rerun with the same ``run=``
+takes the run over. To release it at once, wrap ``trainer.train()`` in the ``with`` form, or call
+``close()`` in your ``except``/``finally``.
 """
 
 from __future__ import annotations
@@ -146,6 +151,7 @@ class LoraSyncCallback(TrainerCallback):
         # The Publisher this callback makes lives in a holder the finalizer may reference: the
         # finalizer must not keep the callback itself alive.
         self._owned = _Owned(given=self._given)
+        _ALL.add(self._owned)
         # Not at exit: by then the executors its close needs are shut down, and the process's end
         # lets go of the loop thread, the connections and the run's lock anyway.
         weakref.finalize(self, self._owned.close_quietly).atexit = False
@@ -174,6 +180,8 @@ class LoraSyncCallback(TrainerCallback):
     # -- TrainerCallback events --------------------------------------------------------------
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        _close_left_over(self._owned)
+        self._owned.training_on = threading.get_ident()
         if self.publisher is None and state.is_world_process_zero:
             # Made here, not in __init__: only process zero talks to engines. A train() that
             # raised earlier left its publisher open: a second train() goes on with it.
@@ -290,8 +298,10 @@ class _Owned:
     def __init__(self, *, given: Publisher | None) -> None:
         self.publisher = given
         self._given = given
+        self.training_on: int | None = None  # the thread whose train() began and did not end yet
 
     def close(self) -> None:
+        self.training_on = None
         publisher = self.publisher
         if publisher is None or publisher is self._given:
             return
@@ -309,6 +319,23 @@ class _Owned:
             threading.Thread(target=publisher.close, name="lorasync-callback-close", daemon=True).start()  # type: ignore[union-attr]
         except Exception as exc:  # noqa: BLE001 - nobody to raise to; say it instead
             log.warning("closing the callback's publisher failed: %s: %s", type(exc).__name__, exc)
+
+
+#: Every callback's holder (weakly): a train() that begins finds those a failed one left open.
+_ALL: weakref.WeakSet[_Owned] = weakref.WeakSet()
+
+
+def _close_left_over(beginning: _Owned) -> None:
+    """Close the publishers of callbacks whose ``train()`` began on this thread and never ended.
+
+    ``train()`` runs on its caller's thread until it returns or raises, and one that returns
+    called ``on_train_end`` (which closed its publisher): so on this thread, a callback still
+    marked as training while another ``train()`` begins belongs to one that raised.
+    """
+    here = threading.get_ident()
+    for owned in list(_ALL):
+        if owned is not beginning and owned.training_on == here:
+            owned.close_quietly()
 
 
 def _world_size() -> int:

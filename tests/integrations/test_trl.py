@@ -376,3 +376,27 @@ def test_a_failed_publish_stops_every_rank_of_a_distributed_run(tiny_model_dir: 
     assert [(o["raised"], o["step"]) for o in outcomes] == [("EngineUnavailableError", 1)] * 2
     assert outcomes[0]["message"] == outcomes[1]["message"]
     assert outcomes[0]["publisher_closed"]
+
+
+def test_a_rerun_after_a_failed_sft_train_takes_the_same_run_over(tiny_model_dir: Path, tmp_path: Path) -> None:
+    # Issue 33 item 14. 090ffbd: the failed train() left its callback's Publisher open (no event
+    # follows a failure, and a notebook keeps the traceback, so the callback is never collected):
+    # the rerun with the same run= met a live run (ConfigError). A new train() on the thread the
+    # failed one ran on closes what a failed train() of any callback left open.
+    before = set(threading.enumerate())
+    engine = connect("peft", base_model_path=tiny_model_dir)
+    root = tmp_path / "store"
+    first = LoraSyncCallback([engine], name="policy", root=root, run="exp", transport="disk", keep=1)
+    failed = _sft(tiny_model_dir, tmp_path / "a", [first, _RaiseAt(2)], steps=4)
+    with pytest.raises(RuntimeError, match="training failed at step 2") as raised:
+        failed.train()
+    assert [r.version for r in first.reports] == [1, 2] and first.publisher is not None  # kept alive, as a notebook does
+    second = LoraSyncCallback([engine], name="policy", root=root, run="exp", transport="disk", keep=1, version_offset=10)
+    rerun = _sft(tiny_model_dir, tmp_path / "b", [second], steps=2)
+    rerun.train()
+    assert first.publisher is None and raised.value is not None
+    assert [r.version for r in second.reports] == [11, 12] and all(r.ok for r in second.reports), [str(r) for r in second.reports]
+    assert [n for n in engine.list_adapters() if n.startswith("policy")] == ["policy@v12"]
+    assert second.publisher is None
+    assert [t for t in _lorasync_threads(before) if t.startswith("lorasync")] == []  # TRL may start a telemetry thread
+    engine.close()

@@ -1,0 +1,202 @@
+"""Event loops, lifecycle and ownership (issue 33, items 12, 13, 15, 17, 18): no sync call waits
+on a loop it runs on, a pin never waits, nothing a publisher owns outlives it, and no exit or
+publish waits out an engine call that nobody needs any more.
+
+Every call that could hang runs under a bound, so a regression fails instead of hanging; the
+timing bounds are far above what the fixed code takes and far below what the bugs cost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lorasync import Publisher
+from lorasync.errors import BlockingCallError, EngineTimeoutError
+from lorasync.testing import MemoryEngine
+from tests.reliability.test_trust_lifecycle import BOUND_S, bounded
+from tests.support.adapters import tiny_adapter as adapter
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class Gated(MemoryEngine):
+    """A server whose loads of ``gated`` wait for ``go``; ``loading`` says one started."""
+
+    def __init__(self, gated: str) -> None:
+        super().__init__()
+        self.gated = gated
+        self.loading = threading.Event()
+        self.go = threading.Event()
+
+    def load_adapter(self, name, path):
+        if name == self.gated:
+            self.loading.set()
+            if not self.go.wait(BOUND_S):
+                raise EngineTimeoutError("the test never let the load go", engine=self.kind)
+        super().load_adapter(name, path)
+
+
+# -- item 12: lease/pin from a coroutine while apublish runs on its loop ---------------------------
+
+
+@pytest.mark.parametrize("when", ["before the publish started", "while the engine loads"])
+def test_a_sync_lease_in_a_coroutine_while_apublish_runs_pins_and_never_waits(tmp_path, when):
+    # 090ffbd: refused or passed depending on whether the publish had reached the loop yet (the
+    # same program, two outcomes); reported as a deadlock. A pin is a counter: it never waits, so
+    # it is safe anywhere, and the retirement running meanwhile keeps the leased version.
+    engine = Gated("p@v2")
+    pub = Publisher([engine], name="p", keep=1, root=tmp_path, grace=0.0)
+
+    async def trainer() -> tuple[Any, list[str], list[str]]:
+        await (await pub.apublish(adapter(1), version=1)).asettled()
+        publishing = asyncio.ensure_future(pub.apublish(adapter(2), version=2))
+        if when == "while the engine loads":
+            while not engine.loading.is_set():
+                await asyncio.sleep(0.01)
+        with pub.lease(1) as model:
+            pub.pin(1)
+            pub.unpin(1)
+            assert model == "p@v1" and pub.pinned == frozenset({1})
+            engine.go.set()
+            report = await (await publishing).asettled()
+            leased = engine.list_adapters()
+        assert pub.pinned == frozenset()
+        await pub.acollect()
+        after = engine.list_adapters()
+        await pub.aclose()
+        return report, leased, after
+
+    report, leased, after = bounded(asyncio.run, trainer(), what="lease() from the loop running apublish")
+    assert report.ok and report.results[0].retired == [], report
+    assert sorted(leased) == ["p@v1", "p@v2"]  # the leased version stayed loaded
+    assert after == ["p@v2"]  # and retired once the lease ended
+
+
+# -- items 13 and 17: no exit waits out an engine call nobody needs any more -------------------------
+
+
+class SlowUnload(MemoryEngine):
+    """A server whose unloads take until ``release`` (a slow background retirement)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.unloading = threading.Event()
+        self.release = threading.Event()
+
+    def unload_adapter(self, name):
+        self.unloading.set()
+        self.release.wait(BOUND_S)
+        super().unload_adapter(name)
+
+
+def test_leaving_a_sync_with_in_async_code_after_apublish_raises_at_once(tmp_path):
+    # 090ffbd: the BlockingCallError was raised at once inside the coroutine, but asyncio.run then
+    # waited for its executor thread, still in the slow unload of the retirement, before the
+    # error reached the caller: 9.7 s of stall, then the error.
+    engine = SlowUnload()
+    seen: dict[str, float] = {}
+
+    async def trainer() -> None:
+        with Publisher([engine], name="p", keep=1, root=tmp_path, grace=0.0) as pub:
+            await pub.apublish(adapter(1), version=1)
+            await pub.apublish(adapter(2), version=2)
+            while not engine.unloading.is_set():  # the retirement of v1 is in the engine
+                await asyncio.sleep(0.01)
+            seen["left"] = time.monotonic()
+
+    try:
+        with pytest.raises(BlockingCallError, match=r"await pub\.aclose\(\)"):
+            bounded(asyncio.run, trainer(), what="leaving `with Publisher` in async code")
+        stall = time.monotonic() - seen["left"]
+    finally:
+        engine.release.set()
+    assert stall < 3.0, f"the error reached the caller {stall:.1f} s after the block was left"
+
+
+_SCRIPT = """
+import sys, threading, time
+from lorasync import Publisher
+from lorasync.testing import MemoryEngine
+from tests.support.adapters import tiny_adapter as adapter
+
+class SlowUnload(MemoryEngine):
+    def unload_adapter(self, name):
+        time.sleep(60)  # the engine takes its time; the script is done
+        super().unload_adapter(name)
+
+pub = Publisher([SlowUnload()], name="p", keep=1, root=sys.argv[1], grace=0.0)
+pub.publish(adapter(1), version=1)
+pub.publish(adapter(2), version=2)  # its retirement of v1 runs on, in the background
+time.sleep(0.5)
+print("END", time.monotonic(), flush=True)
+"""
+
+
+def test_a_script_that_never_closes_its_publisher_exits_promptly(tmp_path):
+    # 090ffbd: the interpreter joined the executor thread stuck in the background unload (13.6 s),
+    # then printed "cannot schedule new futures after shutdown" from the retirement.
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_SCRIPT), str(tmp_path)],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=BOUND_S,
+    )
+    ended = time.monotonic()
+    assert proc.returncode == 0, proc.stderr
+    last = float(proc.stdout.split("END")[-1])
+    assert ended - last < 5.0, f"the script took {ended - last:.1f} s to exit after its last line"
+    assert "Traceback" not in proc.stderr, proc.stderr
+
+
+# -- item 18: a publisher nobody closed is closed when it is collected -------------------------------
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _threads(before: set[threading.Thread]) -> list[str]:
+    deadline = time.monotonic() + 10.0  # idle I/O threads end by themselves within a second
+    while True:
+        left = sorted(t.name for t in threading.enumerate() if t not in before and t.is_alive())
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)
+
+
+def test_publishers_dropped_without_close_give_back_their_threads_and_descriptors(tmp_path):
+    # 090ffbd: five publishers dropped without close() left five lorasync-publisher threads (and
+    # their event loops' descriptors) alive: nothing closed a collected publisher.
+    def five(close: bool, root: Path) -> None:
+        for _ in range(5):
+            pub = Publisher([MemoryEngine()], name="p", keep=1, root=root)
+            pub.publish(adapter(1), version=1).settled(timeout=BOUND_S)
+            if close:
+                pub.close()
+            del pub
+
+    gc.collect()  # what earlier tests left for the collector is not counted here
+    before = set(threading.enumerate())
+    fds = _fds()
+    five(True, tmp_path / "closed")
+    gc.collect()
+    assert _threads(before) == []
+    closed_fds = _fds() - fds  # what closed publishers keep by design (each fresh run's lock)
+    fds = _fds()
+    five(False, tmp_path / "dropped")
+    gc.collect()
+    assert _threads(before) == []
+    assert _fds() - fds == closed_fds
+    # Their runs are free again: a new publisher of this process may take one over.
+    run = next(p.name for p in (tmp_path / "dropped" / "p").iterdir())
+    with Publisher([MemoryEngine()], name="p", keep=1, root=tmp_path / "dropped", run=run) as pub:
+        assert pub.publish(adapter(2), version=2).ok
