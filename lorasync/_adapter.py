@@ -63,6 +63,7 @@ class Adapter:
     Raises:
         InvalidKeyError, MissingPairError, ShapeMismatchError, DtypeMismatchError,
         NonFiniteError: naming the offending key.
+        AdapterError: a tensor without data (meta, FakeTensor, sparse), naming the fix.
     """
 
     __slots__ = ("_config", "_embeddings", "_modules", "_tensors")
@@ -559,6 +560,35 @@ def _hasher() -> Any:
     return xxhash.xxh3_128()
 
 
+def _without_data(t: torch.Tensor) -> str | None:
+    """Why ``t`` holds no bytes an engine could serve, with the fix; ``None`` for a plain tensor.
+
+    Such tensors pass every shape and dtype check, then fail with an untyped error at the first
+    hash, write or copy, deep inside a publish."""
+    if t.is_meta:
+        return (
+            "a meta tensor: a shape without data (a model built on the meta device or with "
+            "init_empty_weights whose weights were never loaded); materialise the weights "
+            "(load the checkpoint, or model.to_empty(device=...) then load_state_dict) before exporting"
+        )
+    if t.layout is not torch.strided:
+        return f"a {t.layout} tensor; LoRA factors are dense: pass tensor.to_dense()"
+    if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter and _is_fake(t):
+        return (
+            "a FakeTensor (traced under FakeTensorMode: shapes without data); export the trainer's "
+            "real tensors, outside the tracing context"
+        )
+    return None
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    try:
+        from torch._subclasses.fake_tensor import is_fake
+    except ImportError:  # a torch without fake tensors cannot hold one
+        return False
+    return bool(is_fake(t))
+
+
 def _validate(
     modules: Mapping[str, Mapping[str, torch.Tensor]], config: AdapterConfig, key_of: Any, *, check_finite: bool
 ) -> None:
@@ -578,6 +608,10 @@ def _validate(
                 )
         a, b = pair["A"], pair["B"]
         for side, t in (("A", a), ("B", b)):
+            unmaterialised = _without_data(t)
+            if unmaterialised:
+                key = key_of(module, side)
+                raise AdapterError(f"{key} is {unmaterialised}", key=key)
             if t.dim() != 2:
                 key = key_of(module, side)
                 raise ShapeMismatchError(
