@@ -12,6 +12,7 @@ validates everything an engine would otherwise reject late or, worse, serve wron
 
 from __future__ import annotations
 
+import contextvars
 import hashlib
 import json
 import os
@@ -46,6 +47,9 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 #: What every :attr:`Adapter.content_hash` starts with: the algorithm (older releases wrote bare SHA-256 hex).
 HASH_PREFIX = "xxh3-128:"
+# Set only while lorasync.inspection validates meta tensors built from a file's header: every
+# check but "has data" applies (the verdict must be exactly what Adapter.load refuses).
+_SHAPES_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("lorasync_adapter_shapes_only", default=False)
 
 
 class Adapter:
@@ -337,11 +341,18 @@ class Adapter:
 
     @classmethod
     def _from_saved(
-        cls, path: Path, raw: Mapping[str, torch.Tensor], *, check_finite: bool = False, model_type: str | None = None
+        cls,
+        path: Path,
+        raw: Mapping[str, torch.Tensor],
+        *,
+        check_finite: bool = False,
+        model_type: str | None = None,
+        shapes_only: bool = False,
     ) -> Adapter:
         """Every check of :meth:`load` after the read: keys, ``path``'s config, fused experts, the
         Adapter itself. ``raw`` is the weights file's tensors; :func:`lorasync.inspection.inspect_adapter`
-        passes meta tensors built from the header, so its verdict is exactly what ``load`` refuses.
+        passes meta tensors built from the header (``shapes_only``: every check but "has data"),
+        so its verdict is exactly what ``load`` refuses.
 
         Raises:
             AdapterError, ConfigError: as :meth:`load`.
@@ -373,7 +384,11 @@ class Adapter:
         if target_parameters:
             family = model_type or model_type_of_saved(peft_config)
             tensors, config = convert(tensors, config, target_parameters=target_parameters, model_type=family)
-        return cls(tensors, config, check_finite=check_finite)
+        token = _SHAPES_ONLY.set(shapes_only)
+        try:
+            return cls(tensors, config, check_finite=check_finite)
+        finally:
+            _SHAPES_ONLY.reset(token)
 
 
 def _read_safetensors(file: Path) -> dict[str, torch.Tensor]:
@@ -597,6 +612,7 @@ def _validate(
     # Keys are named only where a message needs them: this runs on every publish.
     dtype: torch.dtype | None = None
     first: tuple[str, str] = ("", "")
+    need_data = not _SHAPES_ONLY.get()
     for module, pair in modules.items():
         for side in ("A", "B"):
             if side not in pair:
@@ -608,7 +624,7 @@ def _validate(
                 )
         a, b = pair["A"], pair["B"]
         for side, t in (("A", a), ("B", b)):
-            unmaterialised = _without_data(t)
+            unmaterialised = _without_data(t) if need_data else None
             if unmaterialised:
                 key = key_of(module, side)
                 raise AdapterError(f"{key} is {unmaterialised}", key=key)

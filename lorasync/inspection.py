@@ -209,7 +209,7 @@ def _lorasync_findings(path: Path, header: dict[str, dict[str, Any]]) -> list[Fi
     # _read_header bounded the shapes and dtypes: building these cannot fail.
     raw = {key: torch.empty(info["shape"], dtype=_SAFETENSORS_DTYPES[info["dtype"]], device="meta") for key, info in header.items()}
     try:
-        Adapter._from_saved(path, raw)
+        Adapter._from_saved(path, raw, shapes_only=True)
     except (LoraSyncError, ValueError, TypeError, KeyError, IndexError, RuntimeError, NotImplementedError) as exc:
         # An untyped one means Adapter.load fails the same way: still a refusal, never a "loads".
         return [Finding("all", "error", why.format(type(exc).__name__, str(exc)[:500]))]
