@@ -82,6 +82,9 @@ class Capabilities:
     fused_modules: tuple[tuple[str, ...], ...] = ()  # leaf groups stored as one weight (merged updates send whole groups)
     # Loads PEFT's fused 3-D MoE expert LoRA besides per-expert keys (vLLM --enable-mixed-moe-lora-format).
     moe_3d: bool = False
+    # The engine's release as it reports it (vLLM's /version, vllm.__version__); None: unknown.
+    # Rules that differ between releases read it (vLLM 0.26 ignores MoE router LoRA).
+    version: str | None = None
     notes: tuple[str, ...] = field(default=())
 
     def check(

@@ -10,6 +10,7 @@ and SGLang 0.5.23's source, and the real engines are exercised in test_vllm_moe.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -29,7 +30,7 @@ from lorasync.testing import MemoryEngine
 from lorasync.transforms import complete_experts
 
 H, I, E, R = 16, 8, 4, 4
-VLLM = Capabilities(engine="vllm", url="http://127.0.0.1:8000", max_rank=16, tensor_load=True)
+VLLM = Capabilities(engine="vllm", url="http://127.0.0.1:8000", max_rank=16, tensor_load=True, version="0.32.0")
 SGLANG = Capabilities(engine="sglang", url="http://127.0.0.1:30000", max_rank=16, tensor_load=True)
 
 
@@ -64,7 +65,34 @@ def moe_adapter(*, router: bool = True, leaves: tuple[str, ...] = ("gate_proj", 
 
 
 def test_vllm_serves_per_expert_and_router_lora() -> None:
-    VLLMEngine("http://127.0.0.1:8000").check_adapter(moe_adapter(), VLLM)
+    VLLMEngine("http://127.0.0.1:8000").check_adapter(moe_adapter(), replace(VLLM, version="0.32.0"))
+
+
+@pytest.mark.parametrize("version", ["0.26.0", "0.27.1", None])
+def test_vllm_refuses_router_lora_where_the_release_ignores_it(version: str | None) -> None:
+    # Issue 33 item 23: vLLM 0.26 loads mlp.gate LoRA and serves the adapter without it (measured
+    # on the H200), so a publish reported ok while one trained factor was not served. A release
+    # between 0.26 and 0.32 gets 0.26's rule; an unknown release cannot promise it either.
+    caps = replace(VLLM, version=version)
+    for engine in (VLLMEngine("http://127.0.0.1:8000"),):
+        with pytest.raises(IncompatibleAdapterError, match=r"router LoRA \(model.layers.0.mlp.gate") as info:
+            engine.check_adapter(moe_adapter(), caps)
+        assert "does not apply it" in str(info.value) and "without router LoRA" in str(info.value)
+        engine.check_adapter(moe_adapter(router=False), caps)  # experts and attention: served
+
+
+def test_vllm_reports_its_release_in_capabilities() -> None:
+    import httpx
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/version":
+            return httpx.Response(200, json={"version": "0.26.0"})
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"object": "list", "data": [{"id": "base", "object": "model", "root": "base"}]})
+        return httpx.Response(404, json={"detail": "Not Found"})
+
+    caps = VLLMEngine("http://127.0.0.1:8000", transport=httpx.MockTransport(answer)).capabilities()
+    assert caps.version == "0.26.0"
 
 
 def test_vllm_refuses_incomplete_experts_and_complete_experts_fixes_it_exactly() -> None:
@@ -89,7 +117,7 @@ def test_3d_is_refused_for_an_engine_without_the_mixed_format() -> None:
     adapter = moe_adapter()
     with pytest.raises(IncompatibleAdapterError, match="--enable-mixed-moe-lora-format"):
         vllm_moe.check(adapter, VLLM, moe_lora_format="3d")
-    vllm_moe.check(adapter, Capabilities(engine="vllm", moe_3d=True), moe_lora_format="3d")
+    vllm_moe.check(adapter, Capabilities(engine="vllm", moe_3d=True, version="0.32.0"), moe_lora_format="3d")
     vllm_moe.check(adapter, VLLM, moe_lora_format="per_expert")  # the default needs no flag
     with pytest.raises(ConfigError, match="moe_lora_format"):
         vllm_moe.check_format("fused")

@@ -324,6 +324,7 @@ class VLLMInProcessEngine(StepDriver, Engine):
             concurrent_calls=self._frontend.serialised,
             fused_modules=FUSED_MODULES,
             moe_3d=bool(getattr(lora, "enable_mixed_moe_lora_format", False)),
+            version=version_text(),
             notes=tuple(notes),
         )
 

@@ -8,7 +8,10 @@ From vLLM's source (``vllm/lora``):
   projections** and raises for **experts of one projection at different ranks**. lorasync
   refuses both before anything moves (:func:`violations`); missing projections can be added as
   zero LoRA, which is exact (``lorasync.transforms.complete_experts``);
-* the **router** ``mlp.gate`` is a ``ReplicatedLinear`` and takes LoRA like any linear layer;
+* the **router** ``mlp.gate`` is a ``ReplicatedLinear``: 0.32 applies its LoRA (the MoE runner's
+  own reference to the gate is rewired to the LoRA wrapper); 0.26 loads it and silently ignores
+  it, so :func:`check` refuses router LoRA where the release does not apply it (the release
+  table ``_lora_compat.RELEASES``, ``router_lora``; an engine whose release is unknown too);
 * PEFT's **fused 3-D keys** (``mlp.experts.base_layer.lora_A.weight`` = gate_up_proj,
   ``mlp.experts.lora_A.weight`` = down_proj) load only when the engine runs with
   ``enable_mixed_moe_lora_format`` (``--enable-mixed-moe-lora-format``) and the request says
@@ -28,7 +31,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from lorasync._keys import peft_key
-from lorasync._moe import LAYOUT, RULES, fuse, group_experts
+from lorasync._moe import LAYOUT, RULES, fuse, group_experts, is_router
+from lorasync.engines.vllm._lora_compat import rules_for
 from lorasync.errors import ConfigError, IncompatibleAdapterError
 
 if TYPE_CHECKING:
@@ -98,13 +102,25 @@ def check(adapter: Adapter, caps: Capabilities, *, moe_lora_format: str) -> None
     """Raise the first MoE rule ``adapter`` breaks on this vLLM.
 
     Raises:
-        IncompatibleAdapterError: per-expert LoRA vLLM would not pack, or the fused 3-D format
+        IncompatibleAdapterError: per-expert LoRA vLLM would not pack, router LoRA on a release
+            that loads it but does not apply it (or an unknown release), or the fused 3-D format
             asked for an engine that does not advertise it (or an adapter it cannot express).
     """
     ranks = {m: adapter.pair(m)[0].shape[0] for m in adapter.modules}
     found = violations(ranks)
     if found:
         raise IncompatibleAdapterError(found[0], engine=caps.engine, url=caps.url)
+    routers = sorted(m for m in adapter.modules if is_router(m))
+    if routers and not rules_for(caps.version).router_lora:
+        # It would load and report ok while serving the adapter without its router factors.
+        raise IncompatibleAdapterError(
+            f"vLLM {caps.version or '(release unknown)'} at {caps.url or '?'} loads MoE router LoRA ({routers[0]}"
+            f"{' ...' if len(routers) > 1 else ''}) but does not apply it: it would serve this adapter without its "
+            "router factors. Train without router LoRA (leave mlp.gate out of target_modules / target_parameters), "
+            "or serve it with vLLM >= 0.32",
+            engine=caps.engine,
+            url=caps.url,
+        )
     if moe_lora_format == "3d" and group_experts(adapter.modules):
         if not caps.moe_3d:
             raise IncompatibleAdapterError(
