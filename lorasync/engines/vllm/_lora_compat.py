@@ -36,22 +36,24 @@ class LoaderRules:
             ``<module>.base_layer.weight`` (0.26: ``load_weights`` with LoRA on refuses
             ``<module>.weight``, so a merged update must be renamed; 0.32 maps it itself).
         router_lora (`bool`): whether the MoE router's (``mlp.gate``) LoRA is applied. Both
-            releases load it into a slot; the MoE runner computes the routing through its own
-            reference to the gate. 0.32's ``LoRAModelManager`` rewires that reference to the
-            LoRA wrapper (``wrapped_by_id``, checked on the real engine by
-            ``tests/engines/peer_vllm_moe.py``); 0.26 serves the adapter as if it had no router
-            LoRA (measured on the H200: log-probs identical with and without it).
+            releases load it into a slot, and neither applies it: the MoE runner computes the
+            routing through its own reference to the bare gate. 0.26 serves the adapter as if it
+            had no router LoRA (measured on the H200: log-probs identical with and without it).
+            0.32's ``LoRAModelManager`` tries to rewire that reference (``wrapped_by_id``), but
+            sets it on the runner's LoRA wrapper, whose forward calls the runner, which still
+            holds the bare gate (read from the real engine's module graph by
+            ``tests/engines/peer_vllm_moe.py``, which fails once a release applies it).
     """
 
     mapper: str
     validators: tuple[str, ...]
     patterns: bool
     base_layer_names: bool = False
-    router_lora: bool = True
+    router_lora: bool = False
 
 
 RELEASES: dict[tuple[int, ...], LoaderRules] = {
-    (0, 26, 0): LoaderRules(mapper="get_unstacked_mapper", validators=(), patterns=False, base_layer_names=True, router_lora=False),
+    (0, 26, 0): LoaderRules(mapper="get_unstacked_mapper", validators=(), patterns=False, base_layer_names=True),
     (0, 32, 0): LoaderRules(
         mapper="get_rename_mapper",
         validators=("_validate_moe_lora_format", "_validate_modules_to_save", "_validate_token_classification_lora"),
