@@ -12,6 +12,7 @@ validates everything an engine would otherwise reject late or, worse, serve wron
 
 from __future__ import annotations
 
+import contextvars
 import hashlib
 import json
 import os
@@ -47,6 +48,9 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 #: What every :attr:`Adapter.content_hash` starts with: the algorithm (older releases wrote bare SHA-256 hex).
 HASH_PREFIX = "xxh3-128:"
+# Set only while lorasync.inspection validates meta tensors built from a file's header: every
+# check but "has data" applies (the verdict must be exactly what Adapter.load refuses).
+_SHAPES_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("lorasync_adapter_shapes_only", default=False)
 
 
 class Adapter:
@@ -64,6 +68,7 @@ class Adapter:
     Raises:
         InvalidKeyError, MissingPairError, ShapeMismatchError, DtypeMismatchError,
         NonFiniteError: naming the offending key.
+        AdapterError: a tensor without data (meta, FakeTensor, sparse), naming the fix.
     """
 
     __slots__ = ("_config", "_embeddings", "_modules", "_tensors")
@@ -353,11 +358,18 @@ class Adapter:
 
     @classmethod
     def _from_saved(
-        cls, path: Path, raw: Mapping[str, torch.Tensor], *, check_finite: bool = False, model_type: str | None = None
+        cls,
+        path: Path,
+        raw: Mapping[str, torch.Tensor],
+        *,
+        check_finite: bool = False,
+        model_type: str | None = None,
+        shapes_only: bool = False,
     ) -> Adapter:
         """Every check of :meth:`load` after the read: keys, ``path``'s config, fused experts, the
         Adapter itself. ``raw`` is the weights file's tensors; :func:`lorasync.inspection.inspect_adapter`
-        passes meta tensors built from the header, so its verdict is exactly what ``load`` refuses.
+        passes meta tensors built from the header (``shapes_only``: every check but "has data"),
+        so its verdict is exactly what ``load`` refuses.
 
         Raises:
             AdapterError, ConfigError: as :meth:`load`.
@@ -389,7 +401,11 @@ class Adapter:
         if target_parameters:
             family = model_type or model_type_of_saved(peft_config)
             tensors, config = convert(tensors, config, target_parameters=target_parameters, model_type=family)
-        return cls(tensors, config, check_finite=check_finite)
+        token = _SHAPES_ONLY.set(shapes_only)
+        try:
+            return cls(tensors, config, check_finite=check_finite)
+        finally:
+            _SHAPES_ONLY.reset(token)
 
 
 def _read_safetensors(file: Path) -> dict[str, torch.Tensor]:
@@ -582,6 +598,35 @@ def _hasher() -> Any:
     return xxhash.xxh3_128()
 
 
+def _without_data(t: torch.Tensor) -> str | None:
+    """Why ``t`` holds no bytes an engine could serve, with the fix; ``None`` for a plain tensor.
+
+    Such tensors pass every shape and dtype check, then fail with an untyped error at the first
+    hash, write or copy, deep inside a publish."""
+    if t.is_meta:
+        return (
+            "a meta tensor: a shape without data (a model built on the meta device or with "
+            "init_empty_weights whose weights were never loaded); materialise the weights "
+            "(load the checkpoint, or model.to_empty(device=...) then load_state_dict) before exporting"
+        )
+    if t.layout is not torch.strided:
+        return f"a {t.layout} tensor; LoRA factors are dense: pass tensor.to_dense()"
+    if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter and _is_fake(t):
+        return (
+            "a FakeTensor (traced under FakeTensorMode: shapes without data); export the trainer's "
+            "real tensors, outside the tracing context"
+        )
+    return None
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    try:
+        from torch._subclasses.fake_tensor import is_fake
+    except ImportError:  # a torch without fake tensors cannot hold one
+        return False
+    return bool(is_fake(t))
+
+
 def _validate(
     modules: Mapping[str, Mapping[str, torch.Tensor]], config: AdapterConfig, key_of: Any, *, check_finite: bool
 ) -> None:
@@ -590,6 +635,7 @@ def _validate(
     # Keys are named only where a message needs them: this runs on every publish.
     dtype: torch.dtype | None = None
     first: tuple[str, str] = ("", "")
+    need_data = not _SHAPES_ONLY.get()
     for module, pair in modules.items():
         for side in ("A", "B"):
             if side not in pair:
@@ -601,6 +647,10 @@ def _validate(
                 )
         a, b = pair["A"], pair["B"]
         for side, t in (("A", a), ("B", b)):
+            unmaterialised = _without_data(t) if need_data else None
+            if unmaterialised:
+                key = key_of(module, side)
+                raise AdapterError(f"{key} is {unmaterialised}", key=key)
             if t.dim() != 2:
                 key = key_of(module, side)
                 raise ShapeMismatchError(

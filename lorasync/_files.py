@@ -10,8 +10,6 @@ job's orphan sweep, after this process is gone, keeps what an engine it cannot a
 
 from __future__ import annotations
 
-
-import json
 import os
 import time
 from collections.abc import Iterable
@@ -21,6 +19,7 @@ from lorasync._loop import to_thread
 from lorasync._names import served_name, validate_name, validate_version
 from lorasync.engines._engine import is_in_process_id
 from lorasync.errors import LoraSyncError
+from lorasync.transports._layout import read_version_file
 from lorasync.transports._store import META, DiskStore
 
 __all__ = ["VersionFiles"]
@@ -98,9 +97,11 @@ class VersionFiles:
         try:
             if found.is_symlink() or found.parent.is_symlink():
                 return None
-            meta = json.loads((found / META).read_text())
-        except (OSError, ValueError):
+        except OSError:
             return None
+        # Bounded, not through a symlink, and a record no parser follows is None (another run's
+        # file: anyone who can write under the root may have left it).
+        meta = read_version_file(found, META)
         if not isinstance(meta, dict) or meta.get("name") != self.name or meta.get("version") != version:
             return None
         digest = meta.get("content_hash")

@@ -17,8 +17,9 @@ docs/verification.md.
 from __future__ import annotations
 
 import math
+import numbers
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -47,7 +48,9 @@ class Probe:
             Not sent to engines.
 
     Raises:
-        ConfigError: empty prompt or tokens, or log-prob tuples of the wrong length.
+        ConfigError: token ids that are not a non-empty sequence of ints >= 0 (bools, floats, a
+            string, a bare int), log-probs that are not finite numbers, or log-prob tuples of
+            the wrong length.
 
     Warns:
         LoraSyncWarning: ``previous_logprobs`` are given and within ``atol`` of the expected
@@ -61,17 +64,15 @@ class Probe:
     previous_logprobs: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "prompt_ids", tuple(int(t) for t in self.prompt_ids))
-        object.__setattr__(self, "expected_ids", tuple(int(t) for t in self.expected_ids))
+        object.__setattr__(self, "prompt_ids", token_ids(self.prompt_ids, what="prompt_ids"))
+        object.__setattr__(self, "expected_ids", token_ids(self.expected_ids, what="expected_ids"))
         if self.expected_logprobs is not None:
-            object.__setattr__(self, "expected_logprobs", tuple(float(x) for x in self.expected_logprobs))
+            object.__setattr__(self, "expected_logprobs", _logprobs(self.expected_logprobs, what="expected_logprobs"))
             if len(self.expected_logprobs) != len(self.expected_ids):
                 raise ConfigError("expected_logprobs must have one value per expected token")
-        if not self.prompt_ids or not self.expected_ids:
-            raise ConfigError("a probe needs a non-empty prompt and at least one expected token")
         check_atol(self.atol)
         if self.previous_logprobs is not None:
-            object.__setattr__(self, "previous_logprobs", tuple(float(x) for x in self.previous_logprobs))
+            object.__setattr__(self, "previous_logprobs", _logprobs(self.previous_logprobs, what="previous_logprobs"))
             if self.expected_logprobs is None or len(self.previous_logprobs) != len(self.expected_ids):
                 raise ConfigError("previous_logprobs need expected_logprobs and one value per expected token")
             if not self.detects_previous:
@@ -164,11 +165,19 @@ class Probe:
             `Probe`: the expectation.
 
         Raises:
-            ConfigError: ``strict`` without ``previous``, ``max_tokens`` not an int >= 1, ``atol``
-                not a number >= 0, or versions too close (see :meth:`strict`).
+            ConfigError: ``prompt_ids`` not a non-empty sequence of token ids in the model's
+                vocabulary, ``strict`` without ``previous``, ``max_tokens`` not an int >= 1,
+                ``atol`` not a number >= 0, or versions too close (see :meth:`strict`).
         """
         if strict and previous is None:
             raise ConfigError("strict=True needs previous= (the previous version's model)")
+        prompt_ids = token_ids(prompt_ids, what="prompt_ids")
+        vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+        if isinstance(vocab, int) and max(prompt_ids) >= vocab:
+            raise ConfigError(
+                f"prompt_ids holds token id {max(prompt_ids)}, outside the model's vocabulary of {vocab}; "
+                "pass ids from this model's tokenizer"
+            )
         check_max_tokens(max_tokens)
         check_atol(atol)
         # On the model's device: a trainer's model usually sits on its GPU.
@@ -193,7 +202,7 @@ class Probe:
         with warnings.catch_warnings():
             if strict:
                 warnings.simplefilter("ignore", LoraSyncWarning)  # strict() fixes what it warns about
-            probe = cls(tuple(prompt_ids), tuple(tokens), tuple(logprobs), atol, before)
+            probe = cls(prompt_ids, tuple(tokens), tuple(logprobs), atol, before)
         return probe.strict() if strict else probe
 
     def mismatch(self, ids: Sequence[int], logprobs: Sequence[float] | None) -> str | None:
@@ -206,6 +215,47 @@ class Probe:
                 if not math.isfinite(a) or abs(a - b) > self.atol:
                     return f"token {i} logprob {a:.5f} differs from expected {b:.5f} by more than {self.atol}"
         return None
+
+
+def token_ids(value: object, *, what: str) -> tuple[int, ...]:
+    """``value`` as a tuple of token ids; ConfigError unless it is a non-empty 1-D sequence of
+    ints >= 0 (a list, a 1-D tensor or array; not a string, a bare int, bools or floats, which
+    ``int()`` would silently turn into other tokens)."""
+    hint = f"{what} must be a non-empty sequence of token ids (ints >= 0), e.g. tokenizer(text).input_ids"
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 1:
+            raise ConfigError(f"{hint}; got a {value.dim()}-D tensor of shape {tuple(value.shape)} (pass one row: ids[0])")
+        value = value.tolist()
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise ConfigError(f"{hint}; got {type(value).__name__} {value!r:.60}")
+    out: list[int] = []
+    for i, t in enumerate(value):
+        if isinstance(t, torch.Tensor) and t.dim() == 0:
+            t = t.item()
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0:
+            raise ConfigError(f"{hint}; {what}[{i}] is {type(t).__name__} {t!r:.40}")
+        out.append(int(t))
+    if not out:
+        raise ConfigError(f"{hint}; got an empty sequence")
+    return tuple(out)
+
+
+def _logprobs(value: object, *, what: str) -> tuple[float, ...]:
+    """``value`` as a tuple of finite floats; ConfigError otherwise (NaN would fail every
+    engine, a string or bool is not a log-probability)."""
+    hint = f"{what} must be a sequence of finite log-probabilities (floats), one per expected token"
+    if isinstance(value, torch.Tensor):
+        value = value.tolist() if value.dim() == 1 else value
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise ConfigError(f"{hint}; got {type(value).__name__} {value!r:.60}")
+    out: list[float] = []
+    for i, x in enumerate(value):
+        if isinstance(x, torch.Tensor) and x.dim() == 0:
+            x = x.item()
+        if isinstance(x, bool) or not isinstance(x, numbers.Real) or not math.isfinite(x):
+            raise ConfigError(f"{hint}; {what}[{i}] is {type(x).__name__} {x!r:.40}")
+        out.append(float(x))
+    return tuple(out)
 
 
 def check_atol(atol: object, *, what: str = "atol") -> None:

@@ -35,6 +35,7 @@ from lorasync._lifecycle import Lifecycle, async_entry
 from lorasync._loop import LoopLock, LoopThread, held
 from lorasync._names import parse_served_name, served_name, validate_version
 from lorasync.engines._engine import Engine
+from lorasync.engines._hosts import LOCAL_HOSTS
 from lorasync.errors import ConfigError, LoraSyncError, VerificationError
 from lorasync.transports._store import DiskStore
 
@@ -356,4 +357,8 @@ def _engine_key(engine: Engine) -> object:
     if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
         return ("object", id(engine))  # in-process engines: two objects are two engines
     scheme = parts.scheme.lower()
-    return (scheme, parts.hostname.lower(), port or {"http": 80, "https": 443}[scheme], parts.path.rstrip("/"))
+    host = parts.hostname.lower()
+    # Every loopback name reaches the one local server on that port (issue 33 item 22: one vLLM
+    # listed as 127.0.0.1 and as localhost failed every publish with AdapterAlreadyLoadedError).
+    host = "loopback" if host in LOCAL_HOSTS else host
+    return (scheme, host, port or {"http": 80, "https": 443}[scheme], parts.path.rstrip("/"))

@@ -209,7 +209,7 @@ def _lorasync_findings(path: Path, header: dict[str, dict[str, Any]]) -> list[Fi
     # _read_header bounded the shapes and dtypes: building these cannot fail.
     raw = {key: torch.empty(info["shape"], dtype=_SAFETENSORS_DTYPES[info["dtype"]], device="meta") for key, info in header.items()}
     try:
-        Adapter._from_saved(path, raw)
+        Adapter._from_saved(path, raw, shapes_only=True)
     except (LoraSyncError, ValueError, TypeError, KeyError, IndexError, RuntimeError, NotImplementedError) as exc:
         # An untyped one means Adapter.load fails the same way: still a refusal, never a "loads".
         return [Finding("all", "error", why.format(type(exc).__name__, str(exc)[:500]))]
@@ -231,8 +231,8 @@ def _moe_findings(ranks: dict[str, int], fused: set[str], config: dict[str, Any]
         found.append(Finding("sglang", "error", "PEFT's fused 3-D expert keys (target_parameters): SGLang 0.5.23 reads per-expert keys only (mlp.experts.{E}.gate_proj); publish through lorasync, which converts them"))
         found.append(Finding("all", "info", "target_parameters on fused experts: lorasync's Adapter.load and fsdp.export give one LoRA per expert (exact)"))
     experts = {m: v for m, v in ranks.items() if m not in fused and group_experts([m])}
+    found += [Finding("vllm", "error", message) for message in vllm_moe.refusals(ranks, version=None)]  # the files name no release
     if experts:
-        found += [Finding("vllm", "error", message) for message in vllm_moe.violations(ranks)]
         found.append(Finding("vllm", "info", "MoE expert LoRA: vLLM's CPU build loads it but cannot serve it (Triton-only MoE LoRA kernel); serve on a GPU vLLM"))
         found.append(Finding("sglang", "info", "MoE expert LoRA applies only on a server started with gate_up_proj and down_proj in --lora-target-modules"))
     return found

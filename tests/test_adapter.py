@@ -14,6 +14,7 @@ from lorasync.errors import (
     AdapterError,
     ConfigError,
     DtypeMismatchError,
+    ExportError,
     InvalidKeyError,
     MissingPairError,
     NonFiniteError,
@@ -332,3 +333,39 @@ def test_state_dict_export_with_a_missing_factor_names_it() -> None:
     with pytest.raises(MissingPairError) as info:
         export(state, alpha=8)
     assert key(Q, "A") in str(info.value)
+
+
+def _fake(shape: tuple[int, ...]) -> torch.Tensor:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        return torch.zeros(shape)
+
+
+UNMATERIALISED = {
+    "meta": (lambda shape: torch.zeros(shape, device="meta"), "meta"),
+    "fake": (_fake, "FakeTensor"),
+    "sparse": (lambda shape: torch.zeros(shape).to_sparse(), "to_dense"),
+}
+
+
+@pytest.mark.parametrize("case", list(UNMATERIALISED))
+def test_tensors_without_data_are_refused_at_construction(case: str) -> None:
+    # Issue 33 item 16: a meta tensor built an Adapter, then the first hash or write raised an
+    # untyped RuntimeError deep in a publish. Construction is where it must stop, naming the fix.
+    make, words = UNMATERIALISED[case]
+    tensors = make_tensors()
+    tensors[key(V, "B")] = make(tuple(tensors[key(V, "B")].shape))
+    with pytest.raises(AdapterError) as info:
+        Adapter(tensors, CONFIG)
+    assert key(V, "B") in str(info.value) and words in str(info.value)
+    assert info.value.key == key(V, "B")
+
+
+def test_exporting_a_model_built_on_the_meta_device_is_a_typed_error() -> None:
+    # The way a trainer gets meta tensors: a model built under torch.device("meta") (or
+    # init_empty_weights) whose weights were never loaded.
+    with torch.device("meta"):
+        model = make_peft_model(make_tiny_model())
+    with pytest.raises((AdapterError, ExportError), match="meta"):
+        export(model)

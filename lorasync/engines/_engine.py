@@ -83,6 +83,9 @@ class Capabilities:
     fused_modules: tuple[tuple[str, ...], ...] = ()  # leaf groups stored as one weight (merged updates send whole groups)
     # Loads PEFT's fused 3-D MoE expert LoRA besides per-expert keys (vLLM --enable-mixed-moe-lora-format).
     moe_3d: bool = False
+    # The engine's release as it reports it (vLLM's /version, vllm.__version__); None: unknown.
+    # Rules that differ between releases read it (vLLM 0.26 ignores MoE router LoRA).
+    version: str | None = None
     notes: tuple[str, ...] = field(default=())
 
     def check(
@@ -142,6 +145,13 @@ class Engine:
     #: The engine lives outside this process and other processes may drive it too (a server, a
     #: Ray actor): it is then identified by ``kind:url``. None: an ``http(s)://`` url says so.
     remote: ClassVar[bool | None] = None
+    #: ``load_adapter_tensors`` and ``replace_adapter_tensors`` keep nothing of the tensors they
+    #: are given once they return: they copy them into the engine's own memory (PEFT's slots, a
+    #: vLLM worker's staging). False (the default, for engines that do not say): an engine in
+    #: this process is handed a copy lorasync owns, because the Adapter of a no-copy export *is*
+    #: the trainer's memory, which the next optimizer step changes in place (design invariant
+    #: 7). Engines in other processes get their bytes copied on the way anyway.
+    copies_tensors: ClassVar[bool] = False
 
     @property
     def instance_id(self) -> str:

@@ -203,6 +203,13 @@ def _collect(items: Any, adapter_name: str, *, copy: bool) -> dict[str, torch.Te
         if not isinstance(value, torch.Tensor):
             raise ExportError(f"{name!r} is a {type(value).__name__}, not a tensor; pass the trainer's tensors", key=name)
         tensor = value.detach()
+        if tensor.is_meta:  # the copy below would fail untyped: "Cannot copy out of meta tensor"
+            raise ExportError(
+                f"{name!r} is a meta tensor (a shape without data: a model built on the meta device whose "
+                "weights were never loaded); materialise the weights (load the checkpoint, or "
+                "model.to_empty(device=...) then load_state_dict) before exporting",
+                key=name,
+            )
         full = getattr(tensor, "full_tensor", None)
         if callable(full):  # DTensor (FSDP2 / TP): collective gather
             tensor = full()

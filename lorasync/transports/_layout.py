@@ -40,6 +40,7 @@ __all__ = [
     "flock_patiently",
     "open_lock",
     "open_run",
+    "parse_record",
     "read_in_run",
     "read_version_file",
     "recorded_hash",
@@ -246,7 +247,7 @@ def open_run(name_fd: int, run: str) -> int | None:
         if not stat.S_ISREG(os.stat(OWNER_LOCK, dir_fd=fd, follow_symlinks=False).st_mode):
             raise OSError("no lock")
         try:
-            info = json.loads(read_at(fd, RUN_META))
+            info = parse_record(read_at(fd, RUN_META))
         except FileNotFoundError:
             info = {"run": run}  # the owner died before writing it
         if not isinstance(info, dict) or info.get("run") != run:
@@ -300,8 +301,19 @@ def read_in_run(run_fd: int, version: str, file: str) -> Any:
     """:func:`read_version_file` for version folder ``version`` of the run open at ``run_fd``."""
     try:
         with opened(version, dir_fd=run_fd) as version_fd:
-            return json.loads(read_at(version_fd, file))
-    except (OSError, ValueError):
+            return parse_record(read_at(version_fd, file))
+    except OSError:
+        return None
+
+
+def parse_record(raw: bytes) -> Any:
+    """The JSON in ``raw`` (a record read from the store, already bounded in size by
+    :func:`read_at`); None when it is not JSON lorasync can read. Anyone who can write under the
+    root can leave such a file, so it is foreign, never an error: JSON nested deeper than the
+    parser's stack raises RecursionError, not ValueError, and once failed every publish."""
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError):
         return None
 
 

@@ -13,9 +13,11 @@ optimizer has moved on since.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import TYPE_CHECKING
 
+from lorasync.transports._snapshot import kept_by, owned_copy
 from lorasync.transports._transport import Delivery, Transport
 from lorasync.transports.disk import DiskTransport
 
@@ -59,7 +61,9 @@ class InPlaceTransport(Transport):
             await engine.areplace_adapter(name, path)
         else:
             start = time.perf_counter()
-            await engine.areplace_adapter_tensors(name, adapter)
+            # An engine that keeps what it is handed must not keep the trainer's tensors (invariant 7).
+            handed = await asyncio.to_thread(owned_copy, adapter) if kept_by(engine) else adapter
+            await engine.areplace_adapter_tensors(name, handed)
         timings["load"] = time.perf_counter() - start
         return Delivery(served_name=name, bytes_moved=adapter.nbytes, timings=timings)
 

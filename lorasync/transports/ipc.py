@@ -3,14 +3,18 @@ chosen by the engine client).
 
 Fan-out: the engines of one publish share one :class:`lorasync.wire.shm.SegmentScope`, so the
 adapter is copied into shared memory once for all engines on this host, not once per engine;
-the scope is released when the last of them has loaded (or failed).
+the scope is released when the last of them has loaded (or failed). An engine in this process
+that keeps what it is handed gets an owned copy instead of the trainer's tensors, made once per
+publish and shared by every such engine (design invariant 7).
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import TYPE_CHECKING, Any
 
+from lorasync.transports._snapshot import kept_by, owned_copy
 from lorasync.transports._transport import Delivery, Transport
 from lorasync.wire.shm import SegmentScope, sharing
 
@@ -27,7 +31,8 @@ class IPCTransport(Transport):
     name = "ipc"
 
     def __init__(self) -> None:
-        self._scopes: dict[tuple[str, int], list[Any]] = {}  # (name, version) -> [scope, engines in flight]
+        # (name, version) -> [scope, engines in flight, the owned copy in-process engines keep]
+        self._scopes: dict[tuple[str, int], list[Any]] = {}
 
     def unsupported(self, caps: Capabilities) -> str | None:
         if not caps.lora or not caps.runtime_lora:
@@ -40,11 +45,17 @@ class IPCTransport(Transport):
 
     async def deliver(self, adapter: Adapter, engine: Engine, caps: Capabilities, *, name: str, version: int, served: str) -> Delivery:
         start = time.perf_counter()
-        entry = self._scopes.setdefault((name, version), [SegmentScope(), 0])
+        entry = self._scopes.setdefault((name, version), [SegmentScope(), 0, None])
         entry[1] += 1
         try:
+            handed = adapter
+            if kept_by(engine):
+                if entry[2] is None:
+                    # A Task, so engines of one publish awaiting it concurrently share one copy.
+                    entry[2] = asyncio.ensure_future(asyncio.to_thread(owned_copy, adapter))
+                handed = await asyncio.shield(entry[2])
             with sharing(entry[0]):
-                await engine.aload_adapter_tensors(served, adapter)
+                await engine.aload_adapter_tensors(served, handed)
         finally:
             entry[1] -= 1
             if entry[1] == 0:

@@ -55,6 +55,11 @@ def engine(llm: Any) -> Any:
     return connect("vllm-inprocess", llm=llm)
 
 
+def without_router(adapter: Adapter) -> Adapter:
+    """``adapter`` less its router (``mlp.gate``) factors, which vLLM does not apply (refused)."""
+    return Adapter({k: v for k, v in adapter.tensors.items() if ".mlp.gate." not in k}, adapter.config)
+
+
 def buffers(llm: Any, engine: Any, served: str) -> dict[str, Any]:
     (answer,) = llm.collective_rpc("moe_probe_buffers", args=(engine.lora_request(served).lora_int_id,))
     return answer
@@ -94,7 +99,7 @@ def test_every_expert_buffer_is_the_adapters_ba_scale(llm: Any, engine: Any, tmp
     serving of MoE LoRA runs in the GPU suite: vLLM's CPU build has no MoE LoRA kernel."""
     if MODE != "plain":
         pytest.skip("the plain LLM only")
-    adapter = Adapter.load(DATA["adapters"]["moe"])
+    adapter = without_router(Adapter.load(DATA["adapters"]["moe"]))
     with Publisher(engine, name=f"moe-{transport}", transport=transport, root=tmp_path / "store") as publisher:
         report = publisher.publish(adapter, version=1).raise_for_errors()
         assert report.results[0].transport == transport
@@ -126,7 +131,7 @@ def test_3d_is_refused_by_an_engine_without_the_mixed_format(engine: Any, llm: A
     asking = connect("vllm-inprocess", llm=llm, moe_lora_format="3d")
     assert asking.capabilities().moe_3d is False
     with Publisher(asking, name="moe-3d", root=tmp_path / "store") as publisher:
-        report = publisher.publish(Adapter.load(DATA["adapters"]["moe"]), version=1)
+        report = publisher.publish(without_router(Adapter.load(DATA["adapters"]["moe"])), version=1)
     error = report.results[0].error
     assert isinstance(error, IncompatibleAdapterError) and "--enable-mixed-moe-lora-format" in str(error), error
     assert asking.list_adapters() == []
@@ -138,7 +143,7 @@ def test_3d_through_the_mixed_format_fills_the_same_buffers(llm: Any, tmp_path: 
     the adapter's factors, as the per-expert format does. Token serving runs in the GPU suite."""
     if MODE != "mixed":
         pytest.skip("needs enable_mixed_moe_lora_format=True")
-    adapter = Adapter.load(DATA["adapters"]["moe"])
+    adapter = without_router(Adapter.load(DATA["adapters"]["moe"]))
     for fmt in ("3d", "per_expert"):
         engine = connect("vllm-inprocess", llm=llm, moe_lora_format=fmt)
         assert engine.capabilities().moe_3d is True
@@ -149,3 +154,32 @@ def test_3d_through_the_mixed_format_fills_the_same_buffers(llm: Any, tmp_path: 
             assert worst <= 1e-6, worst
             print(f"MOE-BUFFERS mixed {fmt}: max |B·A·scale - adapter delta| = {worst:.3g}")
         engine.unload_adapter(report.served_name)
+
+
+def test_router_lora_is_refused_because_the_routing_bypasses_it(llm: Any, engine: Any, tmp_path: Path) -> None:
+    """Issue 33 item 23: vLLM 0.26 on the GPU loaded ``mlp.gate`` LoRA and ignored it, and
+    lorasync reported the publish ok. vLLM 0.32 does the same, read from the real engine's module
+    graph (the CPU build cannot run the forward: its MoE LoRA kernel is Triton-only): the MoE
+    runner routes through its own reference to the gate, and vLLM's rewiring of that reference
+    lands on the runner's LoRA wrapper, whose forward calls the runner, which still holds the bare
+    gate. So the publish is refused before anything moves. If a release ever routes through the
+    wrapper, this test fails: set ``router_lora=True`` for it in ``_lora_compat.RELEASES``."""
+    if MODE != "plain":
+        pytest.skip("the plain LLM only")
+    from lorasync.engines.vllm._lora_compat import rules_for
+
+    (found,) = llm.collective_rpc("moe_probe_router_paths")
+    assert sorted(found) == [f"model.layers.{i}.mlp.gate" for i in range(LAYERS)], found
+    for router, where in found.items():
+        runner = router.replace(".mlp.gate", ".mlp.experts")
+        # The forward: FusedMoEWithLoRA.forward -> its base_layer (the MoE runner) -> runner.gate.
+        assert f"{runner}.base_layer.gate" in where["bare_at"], f"{router}: the runner no longer holds the bare gate: {where}"
+    version = engine.capabilities().version
+    assert version.startswith("0.32") and rules_for(version).router_lora is False
+    adapter = Adapter.load(DATA["adapters"]["moe"])
+    with Publisher(engine, name="moe-router", transport="ipc", root=tmp_path / "store") as publisher:
+        report = publisher.publish(adapter, version=1)
+    error = report.results[0].error
+    assert isinstance(error, IncompatibleAdapterError) and "does not apply it" in str(error), report
+    assert not [n for n in engine.list_adapters() if n.startswith("moe-router")]
+    print(f"MOE-ROUTER refused on vLLM {version}: {found}")

@@ -10,6 +10,7 @@ and SGLang 0.5.23's source, and the real engines are exercised in test_vllm_moe.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -29,7 +30,7 @@ from lorasync.testing import MemoryEngine
 from lorasync.transforms import complete_experts
 
 H, I, E, R = 16, 8, 4, 4
-VLLM = Capabilities(engine="vllm", url="http://127.0.0.1:8000", max_rank=16, tensor_load=True)
+VLLM = Capabilities(engine="vllm", url="http://127.0.0.1:8000", max_rank=16, tensor_load=True, version="0.32.0")
 SGLANG = Capabilities(engine="sglang", url="http://127.0.0.1:30000", max_rank=16, tensor_load=True)
 
 
@@ -63,12 +64,40 @@ def moe_adapter(*, router: bool = True, leaves: tuple[str, ...] = ("gate_proj", 
 # -- vLLM ------------------------------------------------------------------------------------------
 
 
-def test_vllm_serves_per_expert_and_router_lora() -> None:
-    VLLMEngine("http://127.0.0.1:8000").check_adapter(moe_adapter(), VLLM)
+def test_vllm_serves_per_expert_lora() -> None:
+    VLLMEngine("http://127.0.0.1:8000").check_adapter(moe_adapter(router=False), VLLM)
+
+
+@pytest.mark.parametrize("version", ["0.26.0", "0.27.1", "0.32.0", None])
+def test_vllm_refuses_router_lora_where_the_release_ignores_it(version: str | None) -> None:
+    # Issue 33 item 23: vLLM 0.26 loads mlp.gate LoRA and serves the adapter without it (measured
+    # on the H200), so a publish reported ok while one trained factor was not served. 0.32 routes
+    # through the bare gate too (peer_vllm_moe.py reads it from the real engine); an unknown
+    # release cannot promise it either.
+    caps = replace(VLLM, version=version)
+    for engine in (VLLMEngine("http://127.0.0.1:8000"),):
+        with pytest.raises(IncompatibleAdapterError, match=r"router LoRA \(model.layers.0.mlp.gate") as info:
+            engine.check_adapter(moe_adapter(), caps)
+        assert "does not apply it" in str(info.value) and "without router LoRA" in str(info.value)
+        engine.check_adapter(moe_adapter(router=False), caps)  # experts and attention: served
+
+
+def test_vllm_reports_its_release_in_capabilities() -> None:
+    import httpx
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/version":
+            return httpx.Response(200, json={"version": "0.26.0"})
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"object": "list", "data": [{"id": "base", "object": "model", "root": "base"}]})
+        return httpx.Response(404, json={"detail": "Not Found"})
+
+    caps = VLLMEngine("http://127.0.0.1:8000", transport=httpx.MockTransport(answer)).capabilities()
+    assert caps.version == "0.26.0"
 
 
 def test_vllm_refuses_incomplete_experts_and_complete_experts_fixes_it_exactly() -> None:
-    adapter = moe_adapter(leaves=("gate_proj", "up_proj"))  # PEFT target_parameters on gate_up_proj only
+    adapter = moe_adapter(router=False, leaves=("gate_proj", "up_proj"))  # PEFT target_parameters on gate_up_proj only
     with pytest.raises(IncompatibleAdapterError, match=r"every expert has gate_proj, up_proj and down_proj.*complete_experts") as info:
         VLLMEngine("http://127.0.0.1:8000").check_adapter(adapter, VLLM)
     assert info.value.engine == "vllm"
@@ -86,10 +115,10 @@ def test_vllm_refuses_experts_of_one_projection_at_different_ranks() -> None:
 
 
 def test_3d_is_refused_for_an_engine_without_the_mixed_format() -> None:
-    adapter = moe_adapter()
+    adapter = moe_adapter(router=False)
     with pytest.raises(IncompatibleAdapterError, match="--enable-mixed-moe-lora-format"):
         vllm_moe.check(adapter, VLLM, moe_lora_format="3d")
-    vllm_moe.check(adapter, Capabilities(engine="vllm", moe_3d=True), moe_lora_format="3d")
+    vllm_moe.check(adapter, Capabilities(engine="vllm", moe_3d=True, version="0.32.0"), moe_lora_format="3d")
     vllm_moe.check(adapter, VLLM, moe_lora_format="per_expert")  # the default needs no flag
     with pytest.raises(ConfigError, match="moe_lora_format"):
         vllm_moe.check_format("fused")
@@ -143,7 +172,10 @@ def test_the_publisher_refuses_before_anything_moves(tmp_path: Path) -> None:
 
 def test_inspect_reports_each_engines_moe_rules(tmp_path: Path) -> None:
     full = inspect_adapter(moe_adapter().save(tmp_path / "full"))
-    assert (full.verdict("peft"), full.verdict("vllm"), full.verdict("sglang")) == ("loads", "loads", "refused")
+    assert (full.verdict("peft"), full.verdict("vllm"), full.verdict("sglang")) == ("loads", "refused", "refused")
     assert any("router" in f.message for f in full.findings if f.engine == "sglang")
+    assert any("router" in f.message for f in full.findings if f.engine == "vllm" and f.level == "error")
+    experts = inspect_adapter(moe_adapter(router=False).save(tmp_path / "experts"))
+    assert (experts.verdict("peft"), experts.verdict("vllm")) == ("loads", "loads")
     partial = inspect_adapter(moe_adapter(router=False, leaves=("gate_proj", "up_proj")).save(tmp_path / "partial"))
     assert partial.verdict("vllm") == "refused" and partial.verdict("sglang") == "loads"

@@ -53,3 +53,25 @@ class MoEProbeExtension(LoraSyncWorkerExtension):
                     "b": [_wire(b[index, 0]) for b in module.lora_b_stacked],
                 }
         return {"experts": experts, "linear": linear}
+
+    def moe_probe_router_paths(self) -> dict[str, Any]:
+        """Who the forward pass reaches for each LoRA-wrapped MoE router (``...mlp.gate``): every
+        attribute path in the model that holds the LoRA wrapper, and every one that still holds
+        the bare gate (besides the wrapper's own ``base_layer``). The MoE runner computes the
+        routing through its own reference to the gate, so router LoRA is applied only when that
+        reference is the wrapper. ``fused_gate``: runners that concatenate raw gate weights (a
+        shared-expert gate), which bypasses any wrapper."""
+        manager = self.model_runner.lora_manager._adapter_manager  # type: ignore[attr-defined]
+        model = self.model_runner.model  # type: ignore[attr-defined]
+        paths = list(model.named_modules(remove_duplicate=False))
+        out: dict[str, Any] = {}
+        for name, wrapper in manager.modules.items():
+            if not name.endswith(".mlp.gate"):
+                continue
+            base = getattr(wrapper, "base_layer", None)
+            out[name] = {
+                "wrapper_at": sorted(p for p, m in paths if m is wrapper),
+                "bare_at": sorted(p for p, m in paths if base is not None and m is base and not p.endswith(".base_layer")),
+                "fused_gate": sorted(p for p, m in paths if getattr(m, "_fse_fuse_gate", False) and getattr(m, "gate", None) is wrapper),
+            }
+        return out

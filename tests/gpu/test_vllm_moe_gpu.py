@@ -4,10 +4,12 @@ cannot): the tiny random Qwen3-MoE of ``lorasync.testing`` (``make_case`` below)
 one LoRA per expert (issue 23's format), published through the disk transport. Tokens and
 log-probs match HF+PEFT within bf16 tolerance.
 
-Router LoRA: vLLM 0.32 loads ``mlp.gate`` LoRA keys; whether the GPU vLLM *applies* them is
-measured here: the same adapter with and without its router factors is served and each answer is
-compared with HF+PEFT with and without the router LoRA. The test records which reference vLLM
-matches (``gpu_vllm_tests.jsonl``, ``moe-router``) and fails if it matches neither.
+Router LoRA (issue 33 item 23): vLLM 0.26 loads ``mlp.gate`` LoRA keys and serves the adapter
+as if it had none. lorasync's release table (``_lora_compat.LoaderRules.router_lora``) says which
+releases apply it. Where the running release does not, the publish must be refused before
+anything moves (``IncompatibleAdapterError``, nothing served under the name); where it does, the
+answer must match HF+PEFT *with* the router LoRA and not without it. Either way the test fails
+when the table is wrong for the release on the machine (``gpu_vllm_tests.jsonl``, ``moe-router``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from _vllm_setup import DEVICE, DTYPE, REHEARSAL, check, compare, completion_bod
 from conftest import gpu_server
 from lorasync import Adapter, Publisher
 from lorasync.engines import connect
+from lorasync.engines.vllm._lora_compat import rules_for
+from lorasync.errors import IncompatibleAdapterError
 from lorasync.exporters.fsdp import export
 from lorasync.testing import MoeCase
 
@@ -89,14 +93,20 @@ def test_moe_expert_lora_served_within_bf16_tolerance(case, moe_server, tmp_path
     engine = connect("vllm", moe_server.url, timeout=300)
     base32 = fp32_twin(case.peft_model.get_base_model()).to(DEVICE)  # LoRA layers included: disable below
     answers = {}
+    version = engine.capabilities().version
+    applies = rules_for(version).router_lora
     try:
         for router in (False, True):
             pub = Publisher([engine], name=f"moe-router{int(router)}", keep=1, root=tmp_path / f"r{int(router)}", transport="disk")
-            try:
-                report = pub.publish(adapter if router else _without_router(adapter), version=1)
-            except Exception as exc:  # a typed refusal of router LoRA is an answer too
-                record("moe-router-refused", router=router, error=repr(exc))
-                raise
+            report = pub.publish(adapter if router else _without_router(adapter), version=1)
+            if router and not applies:
+                # A release that ignores router LoRA: refused before anything moves, never "ok".
+                error = report.results[0].error
+                record("moe-router", version=version, refused=True, error=repr(error))
+                assert isinstance(error, IncompatibleAdapterError) and "router" in str(error), report
+                assert not any(n.startswith("moe-router1") for n in engine.list_adapters()), engine.list_adapters()
+                pub.close()
+                continue
             if not report.ok:
                 record("moe-publish", router=router, report=str(report))
             assert report.ok, report
@@ -115,7 +125,9 @@ def test_moe_expert_lora_served_within_bf16_tolerance(case, moe_server, tmp_path
         model, model32 = refs[False]
         verdict = compare(served, prompt, model, model32, base32, greedy(model, prompt, NEW_TOKENS))
         check(verdict, "moe-experts", tokens=served.tokens)
-        # With router LoRA: which reference does vLLM serve?
+        if not applies:
+            return  # refused above; nothing with router LoRA was served
+        # With router LoRA, on a release said to apply it: vLLM must serve the router reference.
         prompt, served = answers[True]
         outcome = {}
         for router in (True, False):
@@ -129,7 +141,11 @@ def test_moe_expert_lora_served_within_bf16_tolerance(case, moe_server, tmp_path
         )
         applied = outcome[True]["err_engine"] <= outcome[True].get("tol", 0) and outcome[True]["err_engine"] < outcome[False]["err_engine"]
         ignored = outcome[False]["err_engine"] <= outcome[False].get("tol", 0) and not applied
-        record("moe-router", applied=applied, ignored=ignored, served_effect_of_router=effect, outcome=outcome)
-        assert applied or ignored, f"vLLM's answer with router LoRA matches neither reference: {outcome}"
+        record("moe-router", version=version, applied=applied, ignored=ignored, served_effect_of_router=effect, outcome=outcome)
+        assert applied, (
+            f"vLLM {version} reported the router LoRA loaded but served "
+            f"{'the adapter without it' if ignored else 'neither reference'}: set router_lora=False for this "
+            f"release in lorasync/engines/vllm/_lora_compat.py. {outcome}"
+        )
     finally:
         engine.close()

@@ -53,9 +53,11 @@ def run_vllm_inflight(model_dir: Path, python: Path, work: Path) -> dict[str, An
     """Start a one-slot vLLM, publish v1, v2, v3 with requests in flight; count what was lost.
 
     Returns:
-        ``{"requests", "lost", "deaths", "violations", "timeline", "overlapped"}``; ``overlapped``
-        is False when the v1 requests were done before v2's retirement or v3's publish (the
-        scenario then tested nothing: run it again).
+        ``{"requests", "expected", "lost", "deaths", "violations", "timeline", "overlapped"}``:
+        ``requests`` counts the requests that came back (each of the ``expected`` must);
+        ``overlapped`` is True only when v1 requests were still decoding once v2's *and* v3's
+        retirements were decided, so both retirement checks and the v1-files check ran. A run
+        that overlapped less tested less: the caller runs it again.
     """
     from transformers import AutoModelForCausalLM
 
@@ -125,7 +127,9 @@ def run_vllm_inflight(model_dir: Path, python: Path, work: Path) -> dict[str, An
             violations.append(f"v3 publish retired v1 under its requests: {report3}")
         if v1_after and not (v1_dir / "adapter_model.safetensors").is_file():
             violations.append("v1's files were removed while its requests decoded")
-        overlapped = overlapped and v1_running  # else the caller runs the scenario again
+        # Both decisions met decoding v1 requests, or the v3 checks above could not run: the
+        # caller runs the scenario again instead of accepting a run that tested less.
+        overlapped = overlapped and v1_running and v1_after
         for thread in threads:
             thread.join(timeout=600)
         undisturbed[2] = _complete(server.url, "policy@v2", LONG) if "policy@v2" in engine.list_adapters() else None
@@ -159,4 +163,5 @@ def run_vllm_inflight(model_dir: Path, python: Path, work: Path) -> dict[str, An
         if not server.alive():
             deaths = max(deaths, 1)
         server.stop()
-    return {"requests": requests, "lost": lost, "deaths": deaths, "violations": violations, "timeline": timeline, "overlapped": overlapped}
+    expected = V1_REQUESTS + 1  # the v1 requests and the one on v2
+    return {"requests": requests, "expected": expected, "lost": lost, "deaths": deaths, "violations": violations, "timeline": timeline, "overlapped": overlapped}

@@ -137,7 +137,9 @@ def _vllm_inflight() -> dict[str, object]:
             if outcome["violations"] or outcome["overlapped"]:
                 break
         if not outcome["overlapped"]:
-            outcome["violations"] = [*outcome["violations"], "in 3 runs no publish met a decoding v1 request"]
+            outcome["violations"] = [*outcome["violations"], "in 3 runs the v1 requests never decoded across both v2's and v3's retirement"]
+        if outcome["requests"] != outcome["expected"]:
+            outcome["violations"] = [*outcome["violations"], f"{outcome['requests']} of {outcome['expected']} requests came back"]
         return outcome
 
 

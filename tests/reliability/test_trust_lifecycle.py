@@ -480,6 +480,38 @@ def test_the_same_engine_twice_is_refused_at_construction(tmp_path):
     pub.close()
 
 
+@pytest.mark.parametrize(
+    "spellings",
+    [
+        ("http://127.0.0.1:8000", "http://localhost:8000/"),
+        ("http://localhost:8000", "http://[::1]:8000"),
+        ("http://127.0.0.1:8000/", "http://0.0.0.0:8000"),
+        ("http://127.0.0.1:80", "http://localhost"),
+    ],
+)
+def test_one_local_server_under_two_loopback_names_is_refused(tmp_path, spellings):
+    """Issue 33 item 22: one vLLM server listed as ``http://127.0.0.1:8000`` and
+    ``http://localhost:8000/`` made every publish fail with AdapterAlreadyLoadedError (the
+    second client loads the name the first just loaded) while the server served every version.
+    Every loopback name reaches the same local server: refused at construction, as one
+    spelling listed twice is."""
+    from lorasync import publish_adapter
+    from lorasync.engines.vllm import VLLMEngine
+
+    first, second = spellings
+    with pytest.raises(ConfigError, match="more than once"):
+        Publisher([VLLMEngine(first), VLLMEngine(second)], name="p", root=tmp_path)
+    with pytest.raises(ConfigError, match="more than once"):
+        Publisher([f"vllm:{first}", f"sglang:{second}"], name="p", root=tmp_path)
+    with pytest.raises(ConfigError, match="more than once"):
+        publish_adapter(adapter(1), [f"vllm:{first}", f"vllm:{second}"], name="p", version=1, root=tmp_path)
+
+
+def test_servers_on_other_ports_or_hosts_are_different_engines(tmp_path):
+    engines = ["vllm:http://127.0.0.1:8000", "vllm:http://localhost:8001", "vllm:http://10.0.0.2:8000", "vllm:http://10.0.0.3:8000"]
+    Publisher(engines, name="p", root=tmp_path).close()
+
+
 # -- item 24: dataclasses.asdict ----------------------------------------------------------------------------
 
 

@@ -124,3 +124,66 @@ def test_failed_merged_verification_puts_the_previous_merge_back(tiny_model_dir,
         assert "previous merge was put back" in str(error), str(error)
         # And the publisher knows it: the next publish of v2's content merges it again.
         assert pub.publish(export(model), version=3).results[0].status == "loaded"
+
+
+# -- issue 33 item 19: an in-process engine never keeps the trainer's live tensors -------------
+
+
+def _served_by_memory(engine, served: str) -> dict[str, torch.Tensor]:
+    return {k: t.clone() for k, t in engine.adapters[served].tensors.items()}
+
+
+def test_ipc_to_an_in_process_engine_that_keeps_tensors_serves_v1_after_the_optimizer_steps(tiny_model_dir, tmp_path):
+    """Item 19: ``transport="ipc"`` after a no-copy export handed the trainer's own tensors to
+    an in-process engine that keeps what it is given (``MemoryEngine``, or any plugin engine that
+    does not copy), so the next optimizer step changed what ``p@v1`` served. Two such engines
+    in one publish share one owned copy (copied once, not per engine)."""
+    from lorasync.testing import MemoryEngine
+
+    from ._trust import lora_params, optimizer_step
+
+    model = trainer(tiny_model_dir)
+    optimizer = torch.optim.AdamW(lora_params(model), lr=1e-2)
+    engines = [MemoryEngine(), MemoryEngine()]
+    with Publisher(engines, name="p", transport="ipc", root=tmp_path) as pub:
+        v1 = state(model)
+        report = pub.publish(export(model), version=1)
+        assert report.ok and report.served_name == "p@v1", report
+        optimizer_step(optimizer, model, seed=21)
+        assert not same(state(model), v1)  # the trainer moved on, in place
+        for engine in engines:
+            assert same(_served_by_memory(engine, "p@v1"), v1), "p@v1 serves the trainer's new weights"
+        kept = [engine.adapters["p@v1"].tensors for engine in engines]
+        assert all(kept[0][k].data_ptr() == kept[1][k].data_ptr() for k in kept[0]), "copied once per engine"
+        assert pub.publish(export(model), version=2).ok
+        v2 = state(model)
+        optimizer_step(optimizer, model, seed=22)
+        assert same(_served_by_memory(engines[0], "p@v2"), v2)
+
+
+def test_an_engine_that_copies_what_it_loads_still_gets_the_trainers_tensors_zero_copy(tiny_model_dir, tmp_path):
+    """The PEFT engine copies the tensors into its own parameters (``copies_tensors``): it is
+    handed the trainer's memory as is (no second copy on the hot path), and serves v1's exact
+    bytes after the optimizer steps, over ipc and in place."""
+    from ._trust import lora_params, optimizer_step
+
+    handed: list[int] = []
+
+    class Spy(PeftEngine):
+        def load_adapter_tensors(self, name, adapter):
+            handed.extend(t.data_ptr() for t in adapter.tensors.values())
+            super().load_adapter_tensors(name, adapter)
+
+    for options in ({"transport": "ipc"}, {"in_place": True}):
+        model = trainer(tiny_model_dir)
+        optimizer = torch.optim.AdamW(lora_params(model), lr=1e-2)
+        engine = Spy(base_model_path=tiny_model_dir)
+        handed.clear()
+        with Publisher([engine], name="p", root=tmp_path / str(len(options)), **options) as pub:
+            v1 = state(model)
+            report = pub.publish(export(model), version=1)
+            assert report.ok, report
+            optimizer_step(optimizer, model, seed=23)
+            assert same(served_lora(engine, report.served_name), v1), options
+        if options.get("transport") == "ipc":
+            assert set(handed) <= {p.data_ptr() for p in lora_params(model)} and handed, "a copy on the hot path"

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import torch
 
 from lorasync import Publisher, apublish_adapter, publish_adapter
 from lorasync.errors import ConfigError
@@ -347,3 +348,49 @@ def test_a_subprocess_of_a_dead_trainer_never_holds_its_run(tmp_path):
     os.kill(worker, 0)
     with Publisher([MemoryEngine()], name="p", keep=2, root=root, run="exp42") as pub:
         assert pub.publish(tiny_adapter(2), version=2).settled().ok
+
+
+# -- issue 33 item 20: a record no parser can follow is foreign, never a failure ----------------
+
+
+DEEP = b"[" * 100_000 + b"]" * 100_000  # valid JSON that nests deeper than any parser's stack
+
+
+def _plant(file: Path) -> None:
+    staged = file.with_name(".planted")
+    staged.write_bytes(DEEP)
+    os.replace(staged, file)
+
+
+@pytest.mark.parametrize("record_file", [".holders.json", "lorasync.json", "run.json"])
+def test_a_deeply_nested_record_under_the_root_never_fails_a_publish(tiny_model_dir, tmp_path, record_file):
+    """Item 20: a deeply nested ``.holders.json`` of another run made every publish fail with
+    ``EngineError ... RecursionError`` (json.loads raises RecursionError, not ValueError); a
+    nested ``lorasync.json`` of a run the engine loaded from did the same. Both are another
+    run's records: read bounded, and ignored like any record that is not lorasync's."""
+    from lorasync.engines.peft import PeftEngine
+    from lorasync.exporters.fsdp import export
+
+    from ._trust import same, served_lora, state, trainer
+
+    root = tmp_path / "store"
+    engine = PeftEngine(base_model_path=tiny_model_dir)
+    where = record_file if record_file == "run.json" else f"v1/{record_file}"
+    dead = _dead_job(root)  # a job killed with its versions on disk
+    _plant(root / "p" / dead / where)
+    with Publisher([engine], name="p", transport="disk", root=root, run="run-live") as other:
+        assert other.publish(export(trainer(tiny_model_dir, seed=5)), version=1).settled().ok  # the engine holds it
+        _plant(root / "p" / "run-live" / where)
+        model = trainer(tiny_model_dir, seed=3)
+        with Publisher([engine], name="p", transport="disk", keep=2, root=root) as pub:
+            for v in (2, 3):
+                report = pub.publish(export(model), version=v).settled()
+                assert report.ok, report
+                assert same(served_lora(engine, report.served_name), state(model))
+                with torch.no_grad():
+                    for n, p in model.named_parameters():
+                        if ".lora_B." in n:
+                            p.mul_(1.5)
+        report = publish_adapter(export(model), engine, name="p", version=4, transport="disk", root=root)
+        assert report.ok, report
+        assert same(served_lora(engine, report.served_name), state(model))

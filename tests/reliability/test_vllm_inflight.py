@@ -16,13 +16,18 @@ pytestmark = pytest.mark.vllm
 
 
 def test_versions_change_under_decoding_requests_on_one_slot(vllm_python: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
-    # vLLM sometimes holds the v2 load until every v1 request finished; such a run overlaps
-    # nothing and is run again (every run's own violations still fail the test at once).
+    # vLLM sometimes holds the v2 load until every v1 request finished, or the v1 requests end
+    # while v3 loads; such a run did not meet both retirement decisions with v1 in flight and is
+    # run again (every run's own violations still fail the test at once).
     for attempt in range(3):
         outcome = run_vllm_inflight(tiny_model_dir, vllm_python, tmp_path / f"run{attempt}")
         if outcome["violations"] or outcome["overlapped"]:
             break
     record(inflight_requests=outcome["requests"], inflight_lost=outcome["lost"], engine_deaths=outcome["deaths"])
     assert outcome["violations"] == [], "\n".join(outcome["violations"]) + f"\ntimeline: {outcome['timeline']}"
-    assert outcome["overlapped"], f"in 3 runs no publish met a decoding v1 request: nothing was tested (raise LONG)\ntimeline: {outcome['timeline']}"
-    assert outcome["requests"] >= 3 and outcome["lost"] == 0 and outcome["deaths"] == 0
+    assert outcome["overlapped"], (
+        f"in 3 runs the v1 requests never decoded across both v2's and v3's retirement: the v3 checks did not run "
+        f"(raise LONG or V1_REQUESTS)\ntimeline: {outcome['timeline']}"
+    )
+    assert outcome["requests"] == outcome["expected"], f"{outcome['requests']} of {outcome['expected']} requests came back"
+    assert outcome["lost"] == 0 and outcome["deaths"] == 0

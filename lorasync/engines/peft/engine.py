@@ -65,6 +65,7 @@ class PeftEngine(Engine):
     """
 
     kind = "peft"
+    copies_tensors = True  # set_peft_model_state_dict copies into the slot's own parameters
 
     def __init__(
         self,

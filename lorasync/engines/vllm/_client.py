@@ -400,6 +400,7 @@ class VLLMEngine(HTTPEngine):
             same_host=self.same_host,
             fused_modules=FUSED_MODULES,
             moe_3d=moe_3d,
+            version=str(version) if version else None,
             notes=tuple(notes),
         )
 

@@ -35,12 +35,21 @@ class LoaderRules:
         base_layer_names (`bool`): base weights of a LoRA-wrapped layer load only under
             ``<module>.base_layer.weight`` (0.26: ``load_weights`` with LoRA on refuses
             ``<module>.weight``, so a merged update must be renamed; 0.32 maps it itself).
+        router_lora (`bool`): whether the MoE router's (``mlp.gate``) LoRA is applied. Both
+            releases load it into a slot, and neither applies it: the MoE runner computes the
+            routing through its own reference to the bare gate. 0.26 serves the adapter as if it
+            had no router LoRA (measured on the H200: log-probs identical with and without it).
+            0.32's ``LoRAModelManager`` tries to rewire that reference (``wrapped_by_id``), but
+            sets it on the runner's LoRA wrapper, whose forward calls the runner, which still
+            holds the bare gate (read from the real engine's module graph by
+            ``tests/engines/peer_vllm_moe.py``, which fails once a release applies it).
     """
 
     mapper: str
     validators: tuple[str, ...]
     patterns: bool
     base_layer_names: bool = False
+    router_lora: bool = False
 
 
 RELEASES: dict[tuple[int, ...], LoaderRules] = {

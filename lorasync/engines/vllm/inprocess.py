@@ -88,6 +88,8 @@ class VLLMInProcessEngine(StepDriver, Engine):
     """
 
     kind: ClassVar[str] = "vllm-inprocess"
+    # Staged through shared memory or a CUDA IPC copy into each worker's own memory.
+    copies_tensors: ClassVar[bool] = True
 
     def __init__(self, *, llm: Any, loop: asyncio.AbstractEventLoop | None = None, timeout: float = 120.0, moe_lora_format: str = "per_expert") -> None:
         self.llm = llm
@@ -322,6 +324,7 @@ class VLLMInProcessEngine(StepDriver, Engine):
             concurrent_calls=self._frontend.serialised,
             fused_modules=FUSED_MODULES,
             moe_3d=bool(getattr(lora, "enable_mixed_moe_lora_format", False)),
+            version=version_text(),
             notes=tuple(notes),
         )
 

@@ -8,7 +8,11 @@ From vLLM's source (``vllm/lora``):
   projections** and raises for **experts of one projection at different ranks**. lorasync
   refuses both before anything moves (:func:`violations`); missing projections can be added as
   zero LoRA, which is exact (``lorasync.transforms.complete_experts``);
-* the **router** ``mlp.gate`` is a ``ReplicatedLinear`` and takes LoRA like any linear layer;
+* the **router** ``mlp.gate`` is a ``ReplicatedLinear`` that takes a LoRA slot, but 0.26 and 0.32
+  never apply it: the MoE runner routes through its own reference to the bare gate. So
+  :func:`check` refuses router LoRA where the release does not apply it (the release table
+  ``_lora_compat.RELEASES``, ``router_lora``: every listed release; an unknown release too). The
+  merged fallback serves it (the fold changes the gate's own weight);
 * PEFT's **fused 3-D keys** (``mlp.experts.base_layer.lora_A.weight`` = gate_up_proj,
   ``mlp.experts.lora_A.weight`` = down_proj) load only when the engine runs with
   ``enable_mixed_moe_lora_format`` (``--enable-mixed-moe-lora-format``) and the request says
@@ -28,14 +32,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from lorasync._keys import peft_key
-from lorasync._moe import LAYOUT, RULES, fuse, group_experts
+from lorasync._moe import LAYOUT, RULES, fuse, group_experts, is_router
+from lorasync.engines.vllm._lora_compat import rules_for
 from lorasync.errors import ConfigError, IncompatibleAdapterError
 
 if TYPE_CHECKING:
     from lorasync._adapter import Adapter
     from lorasync.engines._engine import Capabilities
 
-__all__ = ["FORMATS", "check", "check_format", "fused_tensors", "num_experts_of", "violations"]
+__all__ = ["FORMATS", "applies_router_lora", "check", "check_format", "fused_tensors", "num_experts_of", "refusals", "violations"]
 
 FORMATS = ("per_expert", "3d")
 _LEAVES = tuple(leaf for rule in LAYOUT for leaf in rule.leaves)
@@ -94,15 +99,36 @@ def violations(ranks: Mapping[str, int]) -> list[str]:
     return found
 
 
+def applies_router_lora(version: str | None) -> bool:
+    """Whether vLLM ``version`` (None: unknown) applies MoE router (``mlp.gate``) LoRA it loads."""
+    return rules_for(version).router_lora
+
+
+def refusals(ranks: Mapping[str, int], *, version: str | None) -> list[str]:
+    """:func:`violations`, and router LoRA where vLLM ``version`` (None: unknown) loads it but
+    does not apply it: it would report ok while serving the adapter without its router factors."""
+    found = violations(ranks)
+    routers = sorted(m for m in ranks if is_router(m))
+    if routers and not applies_router_lora(version):
+        found.append(
+            f"vLLM {version or '(release unknown)'} loads MoE router LoRA ({routers[0]}{' ...' if len(routers) > 1 else ''}) "
+            "but does not apply it: it would serve this adapter without its router factors. Train without router LoRA "
+            "(leave mlp.gate out of target_modules / target_parameters), or publish with transport='merged' (folded "
+            "into the gate's own weight)"
+        )
+    return found
+
+
 def check(adapter: Adapter, caps: Capabilities, *, moe_lora_format: str) -> None:
     """Raise the first MoE rule ``adapter`` breaks on this vLLM.
 
     Raises:
-        IncompatibleAdapterError: per-expert LoRA vLLM would not pack, or the fused 3-D format
+        IncompatibleAdapterError: per-expert LoRA vLLM would not pack, router LoRA on a release
+            that loads it but does not apply it (or an unknown release), or the fused 3-D format
             asked for an engine that does not advertise it (or an adapter it cannot express).
     """
     ranks = {m: adapter.pair(m)[0].shape[0] for m in adapter.modules}
-    found = violations(ranks)
+    found = refusals(ranks, version=caps.version)
     if found:
         raise IncompatibleAdapterError(found[0], engine=caps.engine, url=caps.url)
     if moe_lora_format == "3d" and group_experts(adapter.modules):
