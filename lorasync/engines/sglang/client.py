@@ -12,8 +12,10 @@ driven sync or async; the package's other modules hold what the client knows abo
   once ``/v1/models`` lists the name with our path (an earlier attempt landed, its answer lost).
 * Loads from tensors speak the protocol the server's routes offer (:mod:`.tensors`): the legacy
   ``/load_lora_adapter_from_tensors`` or SGLang main's streamed adapters (``/register_lora_adapter``
-  and a weight-update stream); ``capabilities().notes`` names it. A streamed load cut off by a
-  cancellation still unregisters its name and closes its session.
+  and a weight-update stream); ``capabilities().notes`` names it. A load whose answer is lost,
+  or whose caller is cancelled, is undone (its name unregistered, its session closed).
+* SGLang allows one weight-update session at a time: this process's clients of one server take
+  turns for streamed loads and merged updates (:class:`.sessions.SessionGate`).
 * 0.5.23 accepts ``/update_weights_from_tensor`` only inside ``/begin_weight_update`` ...
   ``/end_weight_update``; the session is always closed, also when an update fails.
 * Unload: SGLang 0.5.23 marks the adapter unloading (new requests naming it are refused) and

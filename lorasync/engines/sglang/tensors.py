@@ -9,9 +9,13 @@
   and applies them at ``end_weight_update``. One session per load, always closed.
 
 :meth:`~.operations.SGLangOperations._protocol_op` picks the protocol from the server's routes.
-A streamed load that fails after the name was registered unregisters it before the session
-closes, so neither zero weights nor a part of the stream ever serve under the name; if even the
-unload fails, the error says so and names the adapter to unload.
+A load is a transaction (design invariant 13): a streamed load that fails after the name may
+have been registered (a step refused, or its answer lost: then the unload reads the state back)
+unregisters it before the session closes, so neither zero weights nor a part of the stream ever
+serve under the name; a legacy load whose answer was lost is unloaded the same way. Only
+SGLang's own refusal of the first step proves nothing landed. If even the unload fails, the error
+says so and names the adapter to unload. An async load whose caller is cancelled stops at its
+next step and undoes what landed (a request already on its way is answered first).
 """
 
 from __future__ import annotations
