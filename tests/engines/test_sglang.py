@@ -126,6 +126,11 @@ class Peer:
     def fail(self, path: str, status: int, times: int = 1) -> None:
         httpx.post(f"{self.url}/_contract/fail", json={"path": path, "status": status, "times": times})
 
+    def lose(self, path: str, times: int = 1, status: int = 502) -> None:
+        """The next ``times`` requests to ``path`` reach SGLang, which handles them; their answers
+        are replaced by ``status`` (an answer lost after the request landed)."""
+        httpx.post(f"{self.url}/_contract/fail", json={"path": path, "status": status, "times": times, "lose": True}).raise_for_status()
+
     def hold(self, lora_name: str) -> None:
         """Later /generate requests on ``lora_name`` stay in flight (adapter acquired) until released."""
         httpx.post(f"{self.url}/_contract/hold", json={"lora_name": lora_name}).raise_for_status()

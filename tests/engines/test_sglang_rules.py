@@ -102,3 +102,47 @@ def test_one_same_host_rule(url: str, local: bool) -> None:
     assert is_same_host(url, override=not local) is (not local)
     assert SGLangEngine(url).same_host is local
     assert SGLangEngine(url, same_host=not local).same_host is (not local)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"use_rslora": True},
+        {"alpha_pattern": {"model.layers.0.self_attn.q_proj": 1.0}},
+    ],
+    ids=["rslora", "alpha pattern"],
+)
+def test_the_disk_route_refuses_a_saved_adapter_sglang_would_scale_wrong(config: dict[str, Any], tmp_path: Path) -> None:
+    """SGLang scales every module by lora_alpha / r and ignores use_rslora and alpha_pattern, so
+    ``load_adapter(name, dir)`` refuses such a directory before the first request is built (the
+    publisher's check_adapter refuses the Adapter; this is the direct call)."""
+    path = _adapter(("q_proj", "v_proj"), r=16, lora_alpha=16, **config).save(tmp_path / "a")
+    op = SGLangEngine("http://127.0.0.1:30000")._load_op("a@v1", str(path), False)
+    with pytest.raises(IncompatibleAdapterError, match="normalize_scaling"):
+        next(op)
+
+
+def test_an_rslora_adapter_at_rank_one_scales_alike_and_loads(tmp_path: Path) -> None:
+    """alpha / sqrt(1) == alpha / 1: nothing to refuse on the disk route."""
+    path = _adapter(("q_proj", "v_proj"), r=1, lora_alpha=2, use_rslora=True).save(tmp_path / "a")
+    op = SGLangEngine("http://127.0.0.1:30000")._load_op("a@v1", str(path), False)
+    assert next(op).path == "/load_lora_adapter"
+
+
+def test_normalize_scaling_converts_rslora_exactly_for_sglang() -> None:
+    """rsLoRA scales by alpha / sqrt(r), SGLang by alpha / r (sqrt(r) times weaker: 4x at r=16).
+    The conversion the refusal names keeps every tensor bit for bit and sets lora_alpha so
+    SGLang's alpha' / r is PEFT's alpha / sqrt(r) exactly; the result passes SGLang's rules."""
+    from lorasync.transforms import normalize_scaling
+
+    rslora = _adapter(("q_proj", "v_proj"), r=16, lora_alpha=16, use_rslora=True)
+    peft_scale = 16 / 16**0.5
+    assert rslora.config.scale_for(rslora.modules[0]) == peft_scale == 4.0
+    converted = normalize_scaling(rslora)
+    assert not converted.config.use_rslora
+    assert converted.config.lora_alpha / converted.config.r == peft_scale  # SGLang's scale, exactly
+    assert converted.tensors.keys() == rslora.tensors.keys()
+    assert all(torch.equal(converted.tensors[k], rslora.tensors[k]) for k in rslora.tensors)
+    SGLangEngine("http://127.0.0.1:30000").check_adapter(converted, CAPS)
+    with pytest.raises(IncompatibleAdapterError, match="normalize_scaling"):
+        SGLangEngine("http://127.0.0.1:30000").check_adapter(rslora, CAPS)

@@ -22,8 +22,10 @@ Every ``sglang.launch_server`` flag is accepted, plus ``--lora-protocol tensors|
 ``GET /_contract/requests`` (the request log, with each body's keys checked against SGLang's
 request class: ``unknown`` lists keys SGLang would silently ignore), ``POST /_contract/reset``
 (clear the log and injected faults) and ``POST /_contract/fail`` ``{"path", "status", "times",
-"after", "delay"}`` (let ``after`` requests to ``path`` through, then answer the next ``times``
-with ``status`` before SGLang sees them, after ``delay`` seconds; status 0 only delays).
+"after", "delay", "lose"}`` (let ``after`` requests to ``path`` through, then answer the next ``times``
+with ``status`` before SGLang sees them, after ``delay`` seconds; status 0 only delays; with
+``lose`` SGLang handles the request and its answer is replaced by ``status``, 502 by default: an
+answer lost after the request landed).
 
 Requests in flight, under test control: ``POST /_contract/hold`` ``{"lora_name"}`` makes every
 later ``/generate`` on that adapter stop after SGLang's own ``_validate_and_resolve_lora`` has
@@ -506,10 +508,13 @@ class _ContractMiddleware:
         body = b"".join(chunks)
         self.log.append(self._entry(scope, body))
         faults = self.faults.get(path)
+        lose = None
         if faults:
             fault = faults.pop(0)
             if fault["after"] > 0:  # let this one through, fail a later one
                 faults.insert(0, {**fault, "after": fault["after"] - 1})
+            elif fault["lose"]:
+                lose = fault  # SGLang handles the request; its answer is lost on the way back
             else:
                 await asyncio.sleep(fault["delay"])
                 if fault["status"]:
@@ -524,7 +529,16 @@ class _ContractMiddleware:
                 return {"type": "http.request", "body": body, "more_body": False}
             return await receive()
 
-        await self.app(scope, replay, send)
+        if lose is None:
+            await self.app(scope, replay, send)
+            return
+
+        async def discard(message: Any) -> None:
+            pass
+
+        await self.app(scope, replay, discard)
+        await asyncio.sleep(lose["delay"])
+        await _respond(send, lose["status"] or 502, b"injected by the contract server after SGLang answered", "text/plain")
 
     def _entry(self, scope: Any, body: bytes) -> dict[str, Any]:
         entry: dict[str, Any] = {"method": scope["method"], "path": scope["path"], "bytes": len(body)}
@@ -559,7 +573,12 @@ class _ContractMiddleware:
             payload = {"ok": True}
         elif path == "/_contract/fail":
             spec = json.loads(body)
-            fault = {"status": int(spec.get("status", 0)), "after": int(spec.get("after", 0)), "delay": float(spec.get("delay", 0))}
+            fault = {
+                "status": int(spec.get("status", 0)),
+                "after": int(spec.get("after", 0)),
+                "delay": float(spec.get("delay", 0)),
+                "lose": bool(spec.get("lose", False)),
+            }
             self.faults.setdefault(spec["path"], []).extend([fault] * int(spec.get("times", 1)))
             payload = {"ok": True}
         elif path == "/_contract/hold":

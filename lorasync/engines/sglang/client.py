@@ -12,8 +12,10 @@ driven sync or async; the package's other modules hold what the client knows abo
   once ``/v1/models`` lists the name with our path (an earlier attempt landed, its answer lost).
 * Loads from tensors speak the protocol the server's routes offer (:mod:`.tensors`): the legacy
   ``/load_lora_adapter_from_tensors`` or SGLang main's streamed adapters (``/register_lora_adapter``
-  and a weight-update stream); ``capabilities().notes`` names it. A streamed load cut off by a
-  cancellation still unregisters its name and closes its session.
+  and a weight-update stream); ``capabilities().notes`` names it. A load whose answer is lost,
+  or whose caller is cancelled, is undone (its name unregistered, its session closed).
+* SGLang allows one weight-update session at a time: this process's clients of one server take
+  turns for streamed loads and merged updates (:class:`.sessions.SessionGate`).
 * 0.5.23 accepts ``/update_weights_from_tensor`` only inside ``/begin_weight_update`` ...
   ``/end_weight_update``; the session is always closed, also when an update fails.
 * Unload: SGLang 0.5.23 marks the adapter unloading (new requests naming it are refused) and
@@ -33,8 +35,9 @@ from lorasync.engines._engine import Capabilities
 from lorasync.engines._hosts import is_same_host
 from lorasync.engines.sglang import rules
 from lorasync.engines.sglang.tensors import TensorLoads
-from lorasync.engines.sglang.protocol import DEFAULT_VERSION, GenerateResult, parse_version
-from lorasync.errors import ConfigError
+from lorasync.engines.sglang.protocol import DEFAULT_VERSION, STREAMED, GenerateResult, parse_version
+from lorasync.engines.sglang.sessions import SessionGate
+from lorasync.errors import ConfigError, EngineError
 
 if TYPE_CHECKING:
     import os
@@ -123,6 +126,10 @@ class SGLangEngine(TensorLoads):
         self._protocol: str | None = None  # how the server takes tensors, read from its routes once
         self._protocol_known = False
         self._streaming: dict[str, bool] = {}  # streamed loads in progress (see .tensors)
+        # SGLang allows one weight-update session at a time: this process's clients of the server
+        # take turns (streamed loads, merged updates), so concurrent loads queue instead of failing.
+        self._gate = SessionGate.for_url(self.url)
+        self._cancelled: set[str] = set()  # async loads whose caller was cancelled: stop and undo
 
     # -- public sync API -------------------------------------------------------------------
 
@@ -180,12 +187,18 @@ class SGLangEngine(TensorLoads):
             streamed name containing ':'), AdapterRejectedError (the stream was refused), the
             errors of :meth:`preflight` and of :meth:`load_adapter`.
         """
+        gate = self._gate if self._opens_sessions() else None
+        if gate is not None:
+            gate.acquire_sync()
         try:
             self._run(self._load_tensors_op(name, adapter, pinned), adapter=name)
         except BaseException:
             if name in self._streaming:  # interrupted (KeyboardInterrupt) mid-stream
                 self._run(self._stream_abort_op(name, None), adapter=name)
             raise
+        finally:
+            if gate is not None:
+                gate.release()
 
     def unload_adapter(self, name: str) -> None:
         """Stop serving ``name``; SGLang refuses new requests on it at once and answers only
@@ -216,7 +229,14 @@ class SGLangEngine(TensorLoads):
         Raises:
             EngineError: the server refused (message says why); the session is closed.
         """
-        self._run(self._update_weights_op(named_tensors))
+        gate = None if self._session_open else self._gate  # inside the caller's own session: no new one
+        if gate is not None:
+            gate.acquire_sync()
+        try:
+            self._run(self._update_weights_op(named_tensors))
+        finally:
+            if gate is not None:
+                gate.release()
 
     def begin_weight_update(self) -> None:
         """Open one weight-update session (0.5.23+) for a series of :meth:`update_weights`
@@ -276,14 +296,34 @@ class SGLangEngine(TensorLoads):
         await self._arun(self._load_op(name, str(path), pinned), adapter=name)
 
     async def aload_adapter_tensors(self, name: str, adapter: Adapter, *, pinned: bool = False) -> None:
+        # The load runs as a task of its own: a cancellation must not cut a request SGLang may
+        # already be handling (a registration that lands after its undo would serve zero weights),
+        # so the load is told to stop at its next step, undoes what landed, and only then is the
+        # cancellation raised here. Cancelled again meanwhile, the load still finishes its undo.
+        load = asyncio.ensure_future(self._gated_load(name, adapter, pinned))
+        load.add_done_callback(lambda task: task.cancelled() or task.exception())  # always retrieved
+        try:
+            await asyncio.shield(load)
+        except asyncio.CancelledError:
+            if not load.done():
+                self._cancelled.add(name)
+                try:
+                    await load
+                except EngineError:
+                    pass  # the cancellation is what the caller asked about
+            raise
+
+    async def _gated_load(self, name: str, adapter: Adapter, pinned: bool) -> None:
+        """One tensor load, holding the server's session gate where the load opens a session."""
+        gate = self._gate if self._opens_sessions() else None
+        if gate is not None:
+            await gate.acquire()
         try:
             await self._arun(self._load_tensors_op(name, adapter, pinned), adapter=name)
-        except asyncio.CancelledError:
-            if name in self._streaming:
-                # Cancelled mid-stream: the operation never sees it, so unregister the name and close
-                # the session here, shielded from a second cancellation.
-                await asyncio.shield(self._arun(self._stream_abort_op(name, None), adapter=name))
-            raise
+        finally:
+            self._cancelled.discard(name)
+            if gate is not None:
+                gate.release()
 
     async def aunload_adapter(self, name: str) -> None:
         await self._arun(self._unload_op(name), adapter=name)
@@ -300,7 +340,19 @@ class SGLangEngine(TensorLoads):
         return await self._arun(self._sources_op())
 
     async def aupdate_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> None:
-        await self._arun(self._update_weights_op(named_tensors))
+        gate = None if self._session_open else self._gate
+        if gate is not None:
+            await gate.acquire()
+        try:
+            await self._arun(self._update_weights_op(named_tensors))
+        finally:
+            if gate is not None:
+                gate.release()
+
+    def _opens_sessions(self) -> bool:
+        """A tensor load may open a weight-update session: SGLang main's streamed protocol (or
+        a server whose protocol is not read yet)."""
+        return not self._protocol_known or self._protocol == STREAMED
 
     async def aupdate_weights_from_disk(self, path: str | os.PathLike[str], *, weight_version: str | None = None) -> None:
         await self._arun(self._update_from_disk_op(str(path), weight_version))

@@ -229,20 +229,42 @@ def check(adapter: Adapter, *, url: str, pads: bool, served: frozenset[str] | No
 
 
 def check_saved_config(config: Mapping[str, Any], *, url: str, path: str) -> None:
-    """The disk-route rule an ``adapter_config.json`` shows alone: per-module ranks.
+    """The disk-route rules an ``adapter_config.json`` shows alone: scaling and per-module ranks.
 
-    A saved adapter whose modules differ in rank carries them in ``rank_pattern`` (PEFT cannot
-    build the shapes otherwise), so a ``rank_pattern`` value other than ``r`` means SGLang would
-    fail at the first batch.
+    SGLang reads ``r`` and ``lora_alpha`` and scales every module by ``lora_alpha / r``: a saved
+    rsLoRA adapter (PEFT scales it by ``lora_alpha / sqrt(r)``, ``sqrt(r)`` times stronger) or
+    one whose ``alpha_pattern`` gives a module another scale would load and serve other numbers
+    than training. A saved adapter whose modules differ in rank carries them in ``rank_pattern``
+    (PEFT cannot build the shapes otherwise), so a ``rank_pattern`` value other than ``r`` means
+    SGLang would fail at the first batch.
 
     Raises:
-        IncompatibleAdapterError: mixed ranks; nothing was sent.
+        IncompatibleAdapterError: the scale SGLang would apply differs, or mixed ranks; nothing was sent.
     """
     r = config.get("r")
     pattern = config.get("rank_pattern") or {}
-    if not isinstance(r, int) or not isinstance(pattern, Mapping):
+    alphas = config.get("alpha_pattern") or {}
+    if not isinstance(r, int) or not isinstance(pattern, Mapping) or not isinstance(alphas, Mapping):
         return  # SGLang's own loader reports malformed configs
     ranks = {str(m): int(v) for m, v in pattern.items() if isinstance(v, int)}
+    if not _saved_scaling_ok(config, r, ranks, alphas):
+        (scaling,) = [v for v in violations({}, r=r, scaling_ok=False, pads=True) if v.rule == SCALING]
+        raise IncompatibleAdapterError(f"{path}: {scaling.message}", engine="sglang", url=url, path=path)
     if ranks and set(ranks.values()) != {r}:
         (mixed,) = [v for v in violations(ranks, r=r, scaling_ok=True, pads=False) if v.rule == MIXED_RANKS]
         raise IncompatibleAdapterError(f"{path}: {mixed.message}", engine="sglang", url=url, path=path)
+
+
+def _saved_scaling_ok(config: Mapping[str, Any], r: int, ranks: Mapping[str, int], alphas: Mapping[str, Any]) -> bool:
+    """PEFT's scale of every module a saved config names equals SGLang's ``lora_alpha / r``."""
+    if config.get("use_rslora") and r != 1:  # alpha/sqrt(r) == alpha/r only at r = 1
+        return False
+    alpha = config.get("lora_alpha", 8)
+    if not isinstance(alpha, (int, float)) or r < 1:
+        return True  # SGLang's own loader reports malformed configs
+    sqrt = bool(config.get("use_rslora"))
+    for module, value in alphas.items():
+        rank = ranks.get(str(module), r)
+        if isinstance(value, (int, float)) and rank >= 1 and value / (rank**0.5 if sqrt else rank) != alpha / r:
+            return False
+    return True

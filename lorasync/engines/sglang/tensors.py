@@ -9,9 +9,13 @@
   and applies them at ``end_weight_update``. One session per load, always closed.
 
 :meth:`~.operations.SGLangOperations._protocol_op` picks the protocol from the server's routes.
-A streamed load that fails after the name was registered unregisters it before the session
-closes, so neither zero weights nor a part of the stream ever serve under the name; if even the
-unload fails, the error says so and names the adapter to unload.
+A load is a transaction (design invariant 13): a streamed load that fails after the name may
+have been registered (a step refused, or its answer lost: then the unload reads the state back)
+unregisters it before the session closes, so neither zero weights nor a part of the stream ever
+serve under the name; a legacy load whose answer was lost is unloaded the same way. Only
+SGLang's own refusal of the first step proves nothing landed. If even the unload fails, the error
+says so and names the adapter to unload. An async load whose caller is cancelled stops at its
+next step and undoes what landed (a request already on its way is answered first).
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ class TensorLoads(SGLangOperations):
     # Streamed loads in progress: registered name -> whether its session is open (read by the
     # client to clean up after a cancellation, which no operation sees). Set in __init__.
     _streaming: dict[str, bool]
+    _cancelled: set[str]  # async loads whose caller was cancelled (set by the client)
 
     def _load_tensors_op(self, name: str, adapter: Adapter, pinned: bool) -> Operation[None]:
         info = yield from self._preflight_op(adapter, pads=True)
@@ -88,9 +93,19 @@ class TensorLoads(SGLangOperations):
             body["serialized_tensors"] = payload
         if pinned:
             body["pinned"] = True
-        response = yield Call("POST", TENSOR_ROUTE, json=body)
-        self._route_gone(response)
-        yield from self._lora_result(response, TENSOR_ROUTE, name)
+        refused = False
+        try:
+            response = yield Call("POST", TENSOR_ROUTE, json=body)
+            # SGLang's refusal proves nothing landed, unless a retry is refused because the name is
+            # there: an earlier attempt landed and its answer was lost.
+            refused = _refusal(response) and response.extensions.get("lorasync_attempts", 1) == 1
+            self._route_gone(response)
+            yield from self._lora_result(response, TENSOR_ROUTE, name)
+            self._stop_if_cancelled(name)
+        except EngineError as exc:
+            if not refused:  # the load may have landed whole: take it out again (read back by the unload)
+                yield from self._stream_abort_op(name, exc)
+            raise
 
     def _stream_op(self, name: str, adapter: Adapter, tensors: dict[str, torch.Tensor], tp: int, pinned: bool) -> Operation[None]:
         named = streamed_tensors(name, tensors)  # refuses a name SGLang could not split, before anything moves
@@ -115,19 +130,32 @@ class TensorLoads(SGLangOperations):
         body: dict[str, Any] = {"lora_name": name, "config_dict": config_dict(adapter)}
         if pinned:
             body["pinned"] = True
-        response = yield Call("POST", REGISTER_ROUTE, json=body)
-        self._route_gone(response)
-        yield from self._lora_result(response, REGISTER_ROUTE, name)
-        self._streaming[name] = False  # registered with zero weights: it serves trained ones or goes
+        # A transaction from the registration on (invariant 13): every step that may have landed
+        # is undone when a later one fails or its answer is lost. Only SGLang's own refusal of a
+        # step proves it did not land; anything else (no answer, a proxy's 5xx, a body that is not
+        # SGLang's) is settled by the undo, which reads the name back (unload: gone, or not there).
+        self._streaming[name] = False  # from here the name may be registered with zero weights
+        refused = False
         try:
-            response = yield Call("POST", "/begin_weight_update", json={}, retry=False)
-            self._stream_result(response, "/begin_weight_update", name)
+            response = yield Call("POST", REGISTER_ROUTE, json=body)
+            refused = _refusal(response)
+            self._route_gone(response)
+            yield from self._lora_result(response, REGISTER_ROUTE, name)
+            self._stop_if_cancelled(name)
+            # A begin whose answer is lost may have opened the session: close it in the undo too.
             self._streaming[name] = True
+            refused = False
+            response = yield Call("POST", "/begin_weight_update", json={}, retry=False)
+            if _refusal(response):
+                self._streaming[name] = False  # refused (another session is open): none of ours to close
+            self._stream_result(response, "/begin_weight_update", name)
+            self._stop_if_cancelled(name)
             for bucket in buckets(named, self.weight_bucket_bytes):
                 # flush_cache False: no base weight changes, and SGLang keys its radix cache by adapter id.
                 body = {"serialized_named_tensors": [serialize(bucket)] * tp, "flush_cache": False}
                 response = yield Call("POST", "/update_weights_from_tensor", json=body)
                 self._stream_result(response, "/update_weights_from_tensor", name)
+                self._stop_if_cancelled(name)
             response = yield Call("POST", "/end_weight_update", json={}, retry=False)
             self._streaming[name] = False  # answered: SGLang closed the session, applied or not
             self._stream_result(response, "/end_weight_update", name)
@@ -140,6 +168,9 @@ class TensorLoads(SGLangOperations):
                     adapter=name,
                 )
         except EngineError as exc:
+            if refused:  # SGLang refused the registration itself: nothing to undo
+                self._streaming.pop(name, None)
+                raise
             yield from self._stream_abort_op(name, exc)
             raise
         # Not in a finally: a cancelled load leaves its entry for the client's clean-up.
@@ -168,6 +199,16 @@ class TensorLoads(SGLangOperations):
             except EngineError:
                 pass  # keep the stream's own error
 
+    def _stop_if_cancelled(self, name: str) -> None:
+        """End the load of ``name`` here (its undo follows) when its async caller was cancelled."""
+        if name in self._cancelled:
+            raise EngineError(
+                f"the load of {name!r} into sglang at {self.url} was cancelled; what had landed was taken out again",
+                engine=self.kind,
+                url=self.url,
+                adapter=name,
+            )
+
     def _stream_result(self, response: httpx.Response, path: str, name: str) -> None:
         self._route_gone(response)
         data = body_json(response)
@@ -179,3 +220,10 @@ class TensorLoads(SGLangOperations):
     def _route_gone(self, response: httpx.Response) -> None:
         if response.status_code == 404:
             self._forget_protocol()  # the next load reads the routes again
+
+
+def _refusal(response: httpx.Response) -> bool:
+    """SGLang's own answer that it did not do the step (its envelope with ``success`` false):
+    the one answer that proves nothing landed."""
+    data = body_json(response)
+    return isinstance(data, dict) and data.get("success") is False
