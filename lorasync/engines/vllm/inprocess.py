@@ -88,6 +88,11 @@ class VLLMInProcessEngine(StepDriver, Engine):
     """
 
     kind: ClassVar[str] = "vllm-inprocess"
+    remedies: ClassVar[Mapping[str, str]] = {
+        "lora": "build the vllm.LLM with enable_lora=True (and max_lora_rank >= the adapter's rank)",
+        "tensor_load": f"build the vllm.LLM with worker_extension_cls={WORKER_EXTENSION!r}, or publish with transport='disk'",
+        "weight_update": f"build the vllm.LLM with worker_extension_cls={WORKER_EXTENSION!r}",
+    }
 
     def __init__(self, *, llm: Any, loop: asyncio.AbstractEventLoop | None = None, timeout: float = 120.0, moe_lora_format: str = "per_expert") -> None:
         self.llm = llm
