@@ -80,9 +80,10 @@ def choose_transport(
             raise ConfigError(f"transport='merged' needs base=: {_MERGED_NEEDS_BASE}")
         why = chosen.unsupported(caps)
         if why is not None:
-            other = "" if requested == "disk" else "; or publish with transport='auto'"
+            fix = _fix(engine, caps, (requested,))
+            other = "" if requested == "disk" or "transport=" in fix else "; or publish with transport='auto'"
             raise CapabilityError(
-                f"transport {requested!r} cannot serve {caps.engine} at {caps.url or '?'}: {why}{_fix(engine, caps, (requested,))}{other}",
+                f"transport {requested!r} cannot serve {caps.engine} at {caps.url or '?'}: {why}{fix}{other}",
                 engine=caps.engine,
                 url=caps.url,
             )

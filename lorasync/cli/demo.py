@@ -121,8 +121,6 @@ def run_demo(
 
 
 def _run(specs: list[str], base: str | None, steps: int, name: str, transport: str, root: str | None, save: str | None, workdir: Path, say: Any) -> DemoRun:
-    import warnings
-
     import torch
     import transformers
     from transformers import AutoModelForCausalLM
@@ -148,11 +146,8 @@ def _run(specs: list[str], base: str | None, steps: int, name: str, transport: s
     start = max((v for parsed in served if parsed and parsed[0] == name for v in [parsed[1]]), default=0)
     if start:
         say(f"the engines already serve {name}@v{start}; this run publishes v{start + 1}..v{start + steps}")
-    with warnings.catch_warnings():
-        # peft's get_peft_model reads transformers' deprecated is_gradient_checkpointing (peft
-        # 0.21 with transformers 5.2x): their debt, not the user's; only that warning is dropped.
-        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
-        trainer = make_peft_model(AutoModelForCausalLM.from_pretrained(base), r=8, alpha=16, std=0.02)
+    # make_peft_model drops the FutureWarning peft causes (is_gradient_checkpointing): not the user's.
+    trainer = make_peft_model(AutoModelForCausalLM.from_pretrained(base), r=8, alpha=16, std=0.02)
     # An engine of its own (the embedded PEFT one) ends with the demo, so its files may go with the
     # temp dir. A running engine keeps the versions the demo leaves loaded and re-reads them from
     # their path (vLLM's LRU reload): their files must outlive the demo, where retention collects
