@@ -371,7 +371,8 @@ class EngineHandle:
         if version not in ledger.versions and any(v > version for v in ledger.versions):
             raise StaleVersionError(
                 f"{self.name} v{version} was superseded while it loaded: a concurrent publisher of v{max(ledger.versions)} "
-                f"already retired it from {self.where}; use the newer version",
+                f"already retired it from {self.where}; use the newer version, and give each job that publishes "
+                "to this engine a name= of its own",
                 adapter=self.name,
                 version=version,
                 newest=max(ledger.versions),
@@ -390,7 +391,8 @@ class EngineHandle:
         newest = max(ledger.versions)
         raise StaleVersionError(
             f"{self.name} v{version} was superseded while it loaded: {self.where} already serves v{newest} "
-            f"(published concurrently), so v{version} was taken out of service again; use the newer version",
+            f"(published concurrently), so v{version} was taken out of service again; use the newer version, and "
+            "give each job that publishes to this engine a name= of its own",
             adapter=self.name,
             version=version,
             newest=newest,

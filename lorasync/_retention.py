@@ -172,7 +172,11 @@ class Ledger:
         if version < newest or (version == newest and newest_hash != digest):
             raise StaleVersionError(
                 f"{name} v{version} would replace v{newest}, which the engine already serves; versions "
-                "must increase (use the trainer step). Nothing was changed.",
+                "must increase (use the trainer step). Nothing was changed. A re-run of a training "
+                f"script against the same engine: publish under a new name= (e.g. name='{name}-2'), or "
+                f"number this run's versions after v{newest} (version={newest} + step). A new run= alone "
+                "does not help: it keeps two runs' files apart, not the names the engine serves (pass "
+                "the earlier run= to resume its files, with versions after its newest)",
                 adapter=name,
                 version=version,
                 newest=newest,

@@ -7,12 +7,29 @@ from collections.abc import Mapping
 
 from lorasync._adapter import Adapter
 from lorasync.engines._engine import Capabilities, Engine
-from lorasync.errors import AdapterRejectedError, CapabilityError, ConfigError, LoraNotEnabledError, LoraSyncError
+from lorasync.errors import AdapterRejectedError, CapabilityError, ConfigError, LoraNotEnabledError, LoraSyncError, RuntimeLoraDisabledError
 from lorasync.transports._transport import Transport
 
 __all__ = ["TRANSPORTS", "choose_transport"]
 
 TRANSPORTS = ("auto", "disk", "ipc", "merged")
+
+# What each transport needs of an engine, by Capabilities field, in the order a fix is told.
+_NEEDS = {
+    "disk": ("lora", "runtime_lora", "same_host"),
+    "ipc": ("lora", "runtime_lora", "tensor_load", "same_host"),
+    "merged": ("weight_update",),
+    "in_place": ("lora", "runtime_lora", "load_inplace"),
+}
+_MERGED_NEEDS_BASE = "pass base= (the pristine base checkpoint the engine serves, or BaseWeights; CLI: --base DIR)"
+
+
+def _fix(engine: Engine, caps: Capabilities, transports: tuple[str, ...]) -> str:
+    """``"; to fix: ..."`` from the engine's own remedies for what ``transports`` need and
+    ``caps`` lacks (empty when the engine names none)."""
+    missing = [need for t in transports for need in _NEEDS.get(t, ()) if not getattr(caps, need, True)]
+    remedies = list(dict.fromkeys(r for need in missing if (r := engine.remedies.get(need))))
+    return f"; to fix: {'; or '.join(remedies)}" if remedies else ""
 
 
 def choose_transport(
@@ -40,21 +57,36 @@ def choose_transport(
         ``(transport, reason)``.
 
     Raises:
-        CapabilityError, ConfigError, AdapterRejectedError, LoraNotEnabledError: nothing can serve it.
+        CapabilityError, ConfigError, AdapterRejectedError, LoraNotEnabledError: nothing can serve it;
+            each message says what to change (the engine's flag or variable, ``base=``,
+            ``transport=``).
+        RuntimeLoraDisabledError (a CapabilityError): LoRA is on but the engine cannot load
+            adapters while running, and no merged fallback is configured.
     """
     if in_place is not None:
         why = in_place.unsupported(caps)
         if why is not None:
-            raise CapabilityError(f"{caps.engine} at {caps.url or '?'}: {why}", engine=caps.engine, url=caps.url)
+            raise CapabilityError(
+                f"{caps.engine} at {caps.url or '?'}: {why}{_fix(engine, caps, ('in_place',))}; or publish versioned "
+                "names (in_place=False, the default)",
+                engine=caps.engine,
+                url=caps.url,
+            )
         engine.check_adapter(adapter, caps)
         return in_place, "in place: the name switched atomically"
     if requested != "auto":
         chosen = candidates[requested]
         if chosen is None:
-            raise ConfigError("transport='merged' needs base= (the pristine base checkpoint or BaseWeights)")
+            raise ConfigError(f"transport='merged' needs base=: {_MERGED_NEEDS_BASE}")
         why = chosen.unsupported(caps)
         if why is not None:
-            raise CapabilityError(f"transport {requested!r} cannot serve {caps.engine} at {caps.url or '?'}: {why}", engine=caps.engine, url=caps.url)
+            fix = _fix(engine, caps, (requested,))
+            other = "" if requested == "disk" or "transport=" in fix else "; or publish with transport='auto'"
+            raise CapabilityError(
+                f"transport {requested!r} cannot serve {caps.engine} at {caps.url or '?'}: {why}{fix}{other}",
+                engine=caps.engine,
+                url=caps.url,
+            )
         if chosen.versioned:
             engine.check_adapter(adapter, caps)
         return chosen, "requested"
@@ -87,9 +119,16 @@ def choose_transport(
         return merged, f"merged fallback: {lora_refusal or 'engine cannot load this adapter at runtime'}"
     if lora_refusal is not None:
         raise lora_refusal
-    raise CapabilityError(
-        f"no transport can reach {caps.engine} at {caps.url or '?'}: "
-        + "; ".join(f"{n}: {t.unsupported(caps) if t else 'needs base='}" for n, t in candidates.items()),
+    reasons = "; ".join(f"{n}: {t.unsupported(caps) if t else 'needs base='}" for n, t in candidates.items())
+    fixes = [_fix(engine, caps, ("ipc",) if caps.in_process else ("disk",)).removeprefix("; to fix: ")]
+    merged_fix = _fix(engine, caps, ("merged",)).removeprefix("; to fix: ")
+    if merged is None:
+        merged_fix = _MERGED_NEEDS_BASE + (f" and {merged_fix}" if merged_fix else "")
+    fixes.append(f"for merged updates of the base weights instead: {merged_fix}" if merged_fix else "")
+    fix = "; or ".join(f for f in fixes if f)
+    cls = RuntimeLoraDisabledError if caps.lora and not caps.runtime_lora else CapabilityError
+    raise cls(
+        f"no transport can reach {caps.engine} at {caps.url or '?'} ({reasons})" + (f"; to fix: {fix}" if fix else ""),
         engine=caps.engine,
         url=caps.url,
     )

@@ -35,9 +35,9 @@ Every message says what to do next.
     │   ├── EngineProtocolError              an answer lorasync cannot interpret
     │   │   └── UnsupportedEngineVersionError  an engine major version lorasync does not know
     │   ├── AuthenticationError              401/403, or a client without its key here (unpickled)
-    │   ├── RuntimeLoraDisabledError         runtime LoRA routes are switched off
     │   ├── LoraNotEnabledError              the engine was started without LoRA
     │   ├── CapabilityError                  the engine cannot do what was asked
+    │   │   └── RuntimeLoraDisabledError     runtime LoRA routes are switched off
     │   ├── AdapterRejectedError             the engine refused the adapter's content
     │   │   ├── RankTooLargeError            rank above the engine's max rank
     │   │   └── IncompatibleAdapterError     modules/features the engine cannot serve
@@ -299,16 +299,17 @@ class AuthenticationError(EngineError):
     (unpickled without its literal secret: ``status`` is None and nothing was sent)."""
 
 
-class RuntimeLoraDisabledError(EngineError):
-    """The engine's runtime LoRA routes are switched off."""
-
-
 class LoraNotEnabledError(EngineError):
     """The engine was started without LoRA support."""
 
 
 class CapabilityError(EngineError):
     """The engine cannot perform the requested operation."""
+
+
+class RuntimeLoraDisabledError(CapabilityError):
+    """The engine's runtime LoRA routes are switched off (vLLM: no
+    ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`` in its environment)."""
 
 
 class AdapterRejectedError(EngineError):

@@ -12,7 +12,7 @@ import contextlib
 import importlib
 import sys
 
-from lorasync.cli._common import BAD_INPUT, EPILOG, Parser, add_common, emit, error_payload, exit_code_for, setup_logging
+from lorasync.cli._common import BAD_INPUT, BROKEN_PIPE, EPILOG, Parser, add_common, emit, error_payload, exit_code_for, setup_logging
 
 __all__ = ["main"]
 
@@ -54,9 +54,29 @@ def main(argv: list[str] | None = None) -> int:
     Parser.json_requested = "--json" in argv
     _common.json_stream = sys.stdout
     try:
-        return _main(argv)
+        try:
+            return _main(argv)
+        finally:  # also on argparse's SystemExit (--help): here, not at exit, so it is caught below
+            sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader went away (`lorasync --json inspect DIR | head -1`): stop quietly, as a
+        # program a closed pipe stops. stdout goes to devnull so the interpreter's own final
+        # flush cannot raise again and print a traceback.
+        _silence_stdout()
+        return BROKEN_PIPE
     finally:
         _common.json_stream = None
+
+
+def _silence_stdout() -> None:
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # not a real file (a test's capture): nothing to flush
+        pass
 
 
 def _main(argv: list[str]) -> int:

@@ -3,11 +3,15 @@
 Exit codes (documented in ``lorasync --help``):
 
 * 0 success; 1 a check that ran and said no (``inspect`` found an engine that refuses);
-* 2 bad input (options, paths, adapter content, unknown engine kind, a stale version);
+* 2 bad input (options, paths, a folder that holds no adapter, adapter content, unknown engine
+  kind, a stale version: on every engine it failed, the input was what it refused);
 * 3 an engine failure (unreachable, refused, did not reproduce the probe);
-* 4 a partial publish (some engines serve the new version, others do not).
+* 4 a partial publish (some engines serve the new version, others do not);
+* 141 the reader of the output went away (``lorasync --json inspect DIR | head -1``), as for any
+  program a closed pipe stops.
 
-Kept free of torch/httpx imports: ``lorasync --help`` and ``--version`` must answer at once.
+Kept free of torch/httpx imports: ``--help``, ``--version`` and every mistake in the arguments,
+paths or engine specs answer in well under a second (tests/cli/test_cli_speed.py times it).
 """
 
 from __future__ import annotations
@@ -16,33 +20,57 @@ import argparse
 import json
 import logging
 import math
+import re
 import sys
 from typing import Any
 
 __all__ = [
     "BAD_INPUT",
+    "BROKEN_PIPE",
     "ENGINE_FAILURE",
     "EPILOG",
     "OK",
     "PARTIAL",
+    "TRANSPORT_HELP",
     "REFUSED",
     "Parser",
     "add_common",
     "emit",
     "error_payload",
     "exit_code_for",
+    "plain",
     "publish_exit_code",
     "setup_logging",
     "validate_engine_specs",
 ]
 
-OK, REFUSED, BAD_INPUT, ENGINE_FAILURE, PARTIAL = 0, 1, 2, 3, 4
+OK, REFUSED, BAD_INPUT, ENGINE_FAILURE, PARTIAL, BROKEN_PIPE = 0, 1, 2, 3, 4, 141
 
 EPILOG = (
-    "exit codes: 0 ok, 1 a check said no (inspect), 2 bad input, 3 engine failure, "
-    "4 partial publish (some engines updated, others not). --json prints one JSON document, "
-    "errors included."
+    "exit codes: 0 ok; 1 a check said no (inspect: an engine would refuse the adapter); "
+    "2 bad input (options, paths, a folder with no adapter, unknown engine kind, a stale version); "
+    "3 engine failure (unreachable, refused, did not reproduce the probe); "
+    "4 partial publish (some engines updated, others not); 141 the output's reader went away. "
+    "--json prints one JSON document, errors included."
 )
+
+TRANSPORT_HELP = (
+    "how the adapter reaches each engine: auto (default: per engine, from what it can do), disk (files on this "
+    "host's tmpfs), ipc (shared memory; vLLM needs its worker extension and dev mode), merged (base weights + "
+    "LoRA folded in; needs --base and, on vLLM, the worker extension and dev mode)"
+)
+
+
+def plain(doc: str | None) -> str | None:
+    """``doc`` (a module docstring) as help text for people: reST markup dropped.
+
+    ````lorasync demo```` becomes ``lorasync demo``, ``:class:`~lorasync.errors.ConfigError```
+    becomes ``ConfigError`` and ``:func:`run_demo``` becomes ``run_demo``.
+    """
+    if doc is None:
+        return None
+    doc = re.sub(r":[a-z]+:`~?([^`]+)`", lambda m: m.group(1).rsplit(".", 1)[-1] if "~" in m.group(0) else m.group(1), doc)
+    return doc.replace("``", "")
 
 
 class Parser(argparse.ArgumentParser):
@@ -92,11 +120,18 @@ def exit_code_for(exc: BaseException) -> int:
 
 
 def publish_exit_code(reports: list[Any]) -> int:
-    """0 when every engine of every report serves its version, 4 when some do, 3 when none do."""
+    """0 when every engine of every report serves its version, 4 when some do; when none do, 2
+    if every engine refused the input itself (a stale version: the fix is the command line, not
+    the engine), else 3."""
     results = [r for report in reports for r in report.results]
     if results and all(r.ok for r in results):
         return OK
-    return PARTIAL if any(r.ok for r in results) else ENGINE_FAILURE
+    if any(r.ok for r in results):
+        return PARTIAL
+    errors = [r.error for r in results]
+    if errors and all(e is not None and exit_code_for(e) == BAD_INPUT for e in errors):
+        return BAD_INPUT
+    return ENGINE_FAILURE
 
 
 def error_payload(exc: BaseException, code: int) -> dict[str, Any]:
@@ -142,6 +177,7 @@ def validate_engine_specs(specs: list[str]) -> list[str]:
     Raises:
         ConfigError: a spec without an engine kind (``http://host``), with ``://`` after the
             kind (``vllm://host``), or a remote engine without an http(s) URL.
+        UnknownEngineError: a kind that no built-in or installed plugin registers.
     """
     from lorasync.errors import ConfigError
 
@@ -156,4 +192,30 @@ def validate_engine_specs(specs: list[str]) -> list[str]:
             raise ConfigError(f"engine spec {spec!r} is not {form}")
         if kind != "peft" and not url.startswith(("http://", "https://")):
             raise ConfigError(f"engine spec {spec!r} needs an http(s) URL; write {form}")
+    _check_kinds([spec.partition(":")[0] for spec in specs])
     return list(specs)
+
+
+def _check_kinds(kinds: list[str]) -> None:
+    """Refuse an engine kind nothing registers, by name only: the registry's table and the
+    ``lorasync.engines`` entry points are read, no engine module is imported (a misspelled
+    ``vlm:`` must not wait for torch).
+
+    Raises:
+        UnknownEngineError: a kind no built-in or plugin registers (the message lists them).
+    """
+    import difflib
+
+    from lorasync.engines._registry import engine_registry
+    from lorasync.errors import UnknownEngineError
+
+    known = sorted(engine_registry.available())
+    for kind in kinds:
+        if kind not in known:
+            close = difflib.get_close_matches(kind, known, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise UnknownEngineError(
+                f"no engine kind {kind!r}; {hint}available: {', '.join(known)} (a plugin's kind appears once "
+                "the package that provides it is installed: it registers under the 'lorasync.engines' entry-point group)",
+                name=kind,
+            )

@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from lorasync.cli._common import plain
 from lorasync.errors import ConfigError
 
 __all__ = ["BENCHMARKS", "add_arguments", "register"]
@@ -34,7 +35,7 @@ DEFAULT = BENCHMARKS[:-1]
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("bench", help="run the benchmark suite (bytes, publish, vllm, fanout, fold, fleet)", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser("bench", help="run the benchmark suite (bytes, publish, vllm, fanout, fold, fleet)", description=plain(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
     p.set_defaults(func=_main)
 
@@ -56,7 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--no-plot", action="store_true", help="write no PNG files")
     p.add_argument("--no-inprocess", action="store_true", help="bench vllm: skip the in-process vllm.LLM rows (they add about a minute, mostly its start-up)")
-    p.add_argument("--against", metavar="REV", help="bench regression: the earlier git revision to compare with (default 09898ca, run D)")
+    p.add_argument("--against", metavar="REV", help="bench regression: the earlier git revision to compare with (default 09898ca, the benchmark of record in docs/benchmarks.md)")
 
 
 def _ints(text: str) -> list[int]:

@@ -7,6 +7,11 @@ PEFT engine. ``--engine vllm:http://127.0.0.1:8000`` publishes to a running vLLM
 Re-runnable against the same engine: versions start above the newest ``NAME@vN`` the engines
 already serve. ``--save DIR`` keeps the last adapter for ``lorasync inspect DIR``; the working
 directory is removed when the demo ends.
+
+The versions it leaves loaded in a running engine keep serving after it ends: their files stay in
+the store (``--root``, default ``/dev/shm/lorasync-<uid>``), because vLLM re-reads an evicted
+adapter from its path, and a version whose files were gone killed the engine. The next publish of
+the name (a re-run of the demo) removes them once the engine no longer lists them.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lorasync.cli._common import emit, publish_exit_code, validate_engine_specs
+from lorasync.cli._common import TRANSPORT_HELP, emit, plain, publish_exit_code, validate_engine_specs
 
 __all__ = ["DemoRun", "register", "run_demo"]
 
@@ -36,14 +41,14 @@ class DemoRun:
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("demo", help="train a tiny LoRA and publish it after every step", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser("demo", help="train a tiny LoRA and publish it after every step", description=plain(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engine", action="append", default=[], metavar="SPEC", help="engine spec like vllm:http://127.0.0.1:8000 (repeatable); default: the embedded PEFT engine")
     p.add_argument("--base", metavar="DIR", help="base model directory (default: build a tiny one in a temp dir)")
     p.add_argument("--make-base", metavar="DIR", help="only write the tiny base model to DIR (to start vLLM on it) and exit")
     p.add_argument("--steps", type=int, default=5, help="training steps, one publish each (default 5)")
     p.add_argument("--name", default="demo-policy", help="served name prefix (default demo-policy)")
-    p.add_argument("--transport", default="auto", choices=("auto", "disk", "ipc", "merged"))
-    p.add_argument("--root", metavar="DIR", help="disk transport root (default: inside the demo's temp dir)")
+    p.add_argument("--transport", default="auto", choices=("auto", "disk", "ipc", "merged"), help=TRANSPORT_HELP)
+    p.add_argument("--root", metavar="DIR", help="disk transport root (default: /dev/shm/lorasync-<uid> with --engine, where the versions left loaded keep their files; the demo's temp dir for the embedded engine)")
     p.add_argument("--save", metavar="DIR", help="save the last published adapter to DIR (for lorasync inspect DIR)")
     p.set_defaults(func=_main)
 
@@ -85,7 +90,9 @@ def run_demo(
         steps: training steps.
         name: served name prefix.
         transport: the publisher's transport.
-        root: disk transport root (default: inside the temp dir).
+        root: disk transport root (default: the user's store, ``/dev/shm/lorasync-<uid>``, when
+            ``engines`` are given, so that the versions left loaded there keep their files after
+            the demo; the demo's temp dir for the embedded engine, which ends with it).
         save: directory to save the last adapter to.
         echo: print progress for people.
 
@@ -114,8 +121,6 @@ def run_demo(
 
 
 def _run(specs: list[str], base: str | None, steps: int, name: str, transport: str, root: str | None, save: str | None, workdir: Path, say: Any) -> DemoRun:
-    import warnings
-
     import torch
     import transformers
     from transformers import AutoModelForCausalLM
@@ -141,12 +146,14 @@ def _run(specs: list[str], base: str | None, steps: int, name: str, transport: s
     start = max((v for parsed in served if parsed and parsed[0] == name for v in [parsed[1]]), default=0)
     if start:
         say(f"the engines already serve {name}@v{start}; this run publishes v{start + 1}..v{start + steps}")
-    with warnings.catch_warnings():
-        # peft's get_peft_model reads transformers' deprecated is_gradient_checkpointing (peft
-        # 0.21 with transformers 5.2x): their debt, not the user's; only that warning is dropped.
-        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
-        trainer = make_peft_model(AutoModelForCausalLM.from_pretrained(base), r=8, alpha=16, std=0.02)
-    publisher = Publisher(clients, name=name, transport=transport, root=root or str(workdir / "adapters"), base=base, keep=2)
+    # make_peft_model drops the FutureWarning peft causes (is_gradient_checkpointing): not the user's.
+    trainer = make_peft_model(AutoModelForCausalLM.from_pretrained(base), r=8, alpha=16, std=0.02)
+    # An engine of its own (the embedded PEFT one) ends with the demo, so its files may go with the
+    # temp dir. A running engine keeps the versions the demo leaves loaded and re-reads them from
+    # their path (vLLM's LRU reload): their files must outlive the demo, where retention collects
+    # them once no engine lists them (the store's orphan sweep, at the next publish of the name).
+    root = root or (None if specs else str(workdir / "adapters"))
+    publisher = Publisher(clients, name=name, transport=transport, root=root, base=base, keep=2)
 
     # A toy objective: make the model continue a fixed prompt with a fixed target sequence.
     torch.manual_seed(0)
@@ -185,6 +192,8 @@ def _run(specs: list[str], base: str | None, steps: int, name: str, transport: s
         say(f"\nlast adapter saved to {save}; check it with: lorasync inspect {save}")
     if run.reports and all(r.ok for r in run.reports):
         say("\nall engines serve exactly the trained weights")
+    if specs and run.reports:
+        say(f"the versions left loaded keep their files under {publisher.store.root} while an engine lists them")
     return run
 
 

@@ -152,6 +152,11 @@ class Engine:
     #: the trainer's memory, which the next optimizer step changes in place (design invariant
     #: 7). Engines in other processes get their bytes copied on the way anyway.
     copies_tensors: ClassVar[bool] = False
+    #: What to change on this engine to get a capability it lacks, by ``Capabilities`` field
+    #: (``runtime_lora``, ``tensor_load``, ``weight_update``, ``lora``, ``same_host``): the flag,
+    #: the environment variable. Transport selection appends it to its refusal, so the error says
+    #: how to start the engine, not only what is missing.
+    remedies: ClassVar[Mapping[str, str]] = {}
 
     @property
     def instance_id(self) -> str:
@@ -240,21 +245,21 @@ class Engine:
 
     def load_adapter_tensors(self, name: str, adapter: Adapter) -> None:
         """Load ``adapter`` under ``name`` without files (shared memory / IPC)."""
-        raise CapabilityError(f"{self.kind or type(self).__name__} cannot load adapters from tensors", engine=self.kind)
+        raise CapabilityError(f"{self.kind or type(self).__name__} cannot load adapters from tensors; publish with transport='disk' (or 'auto')", engine=self.kind)
 
     def replace_adapter(self, name: str, path: str | os.PathLike[str]) -> None:
         """Atomically make ``name`` serve the adapter at ``path`` (in-place publishing): every
         request sees the old or the new weights, never a mix, and a failure keeps the old.
         Only engines whose ``capabilities().load_inplace`` is True implement it."""
-        raise CapabilityError(f"{self.kind or type(self).__name__} cannot replace adapters in place", engine=self.kind)
+        raise CapabilityError(f"{self.kind or type(self).__name__} cannot replace adapters in place; publish versioned names (in_place=False, the default)", engine=self.kind)
 
     def replace_adapter_tensors(self, name: str, adapter: Adapter) -> None:
         """:meth:`replace_adapter` from tensors, without files."""
-        raise CapabilityError(f"{self.kind or type(self).__name__} cannot replace adapters in place", engine=self.kind)
+        raise CapabilityError(f"{self.kind or type(self).__name__} cannot replace adapters in place; publish versioned names (in_place=False, the default)", engine=self.kind)
 
     def update_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> None:
         """Replace base weights in place (the merged fallback). Names are HF parameter names."""
-        raise CapabilityError(f"{self.kind or type(self).__name__} cannot update weights", engine=self.kind)
+        raise CapabilityError(f"{self.kind or type(self).__name__} cannot update weights; publish LoRA with transport='disk' or 'ipc' (or 'auto')", engine=self.kind)
 
     def begin_weight_update(self) -> None:
         """Called before a series of ``update_weights`` buckets: hold requests so none sees half
@@ -267,7 +272,7 @@ class Engine:
         """Greedy-decode ``max_tokens`` tokens after ``prompt_ids`` with adapter ``name`` (None:
         the base model). Returns the token ids and each chosen token's log-probability; used by
         verification probes."""
-        raise CapabilityError(f"{self.kind or type(self).__name__} cannot generate", engine=self.kind)
+        raise CapabilityError(f"{self.kind or type(self).__name__} cannot generate, so it cannot be verified; publish without verify= (or implement greedy())", engine=self.kind)
 
     def close(self) -> None:
         """Release connections. Idempotent."""

@@ -8,13 +8,16 @@ peaked, so greedy decoding is stable across engines and dtypes.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["TINY_TARGETS", "make_peft_model", "make_tiny_model", "randomize_lora", "tiny_config"]
+__all__ = ["TINY_TARGETS", "make_peft_model", "make_tiny_model", "peft_reads_deprecated_checkpointing", "randomize_lora", "tiny_config"]
 
 TINY_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 VOCAB = 512
@@ -109,9 +112,20 @@ def make_peft_model(
     from peft import LoraConfig, get_peft_model
 
     cfg = LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets), lora_dropout=0.0, **lora_kwargs)
-    model = get_peft_model(base, cfg, adapter_name=adapter_name)
+    with peft_reads_deprecated_checkpointing():
+        model = get_peft_model(base, cfg, adapter_name=adapter_name)
     randomize_lora(model, seed=seed, std=std)
     return model.eval()
+
+
+@contextlib.contextmanager
+def peft_reads_deprecated_checkpointing() -> Iterator[None]:
+    """Drop the one FutureWarning ``get_peft_model`` causes: PEFT 0.21 reads transformers'
+    deprecated ``is_gradient_checkpointing`` (transformers 5.2x) when it wraps a model. It is
+    their debt, not the caller's, and it printed on every doc snippet; every other warning stays."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
 
 
 def randomize_lora(model: Any, *, seed: int, std: float = 0.05) -> None:

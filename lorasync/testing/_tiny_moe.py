@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from lorasync.testing._tiny import COMMON, peaked_and_saved, randomize_lora
+from lorasync.testing._tiny import COMMON, peaked_and_saved, peft_reads_deprecated_checkpointing, randomize_lora
 
 __all__ = ["MOE_ATTENTION", "MoeCase", "make_moe_case", "make_moe_peft_model", "make_tiny_moe_model", "tiny_moe_config"]
 
@@ -92,7 +92,8 @@ def make_moe_peft_model(
         lora_dropout=0.0,
         **lora_kwargs,
     )
-    model = get_peft_model(base, cfg)
+    with peft_reads_deprecated_checkpointing():
+        model = get_peft_model(base, cfg)
     randomize_lora(model, seed=seed, std=std)
     return model.eval()
 

@@ -139,6 +139,18 @@ class TestWithoutRuntimeUpdating:
                 engine.unload_adapter("policy@v1")
             assert engine.list_adapters() == []
 
+    def test_a_publish_says_which_variable_to_set(self, static: VLLMServer, adapter_dir: Path, tmp_path: Path) -> None:
+        # What a user meets first (issue 37): a publish, not a load. It said "no transport can reach
+        # vllm ... disk: engine cannot load LoRA adapters at runtime", naming no variable.
+        from lorasync import Adapter, Publisher
+
+        with Publisher([f"vllm:{static.url}"], name="nort", root=tmp_path) as pub:
+            report = pub.publish(Adapter.load(adapter_dir), version=1)
+        error = report.results[0].error
+        assert isinstance(error, RuntimeLoraDisabledError)  # what docs/engines/vllm.md promises
+        assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1" in str(error) and "--api-server-count 1" in str(error)
+        assert "base=" in str(error)  # the merged fallback, the other way out
+
     def test_capabilities_without_dev_mode_fall_back_to_options(self, static: VLLMServer) -> None:
         with VLLMEngine(static.url) as engine:
             caps = engine.capabilities()

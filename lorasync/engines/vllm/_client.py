@@ -49,6 +49,7 @@ from lorasync.engines.vllm._protocol import (
     IPC_PREFIX,
     LOAD_ROUTE,
     METRICS_ROUTE,
+    RUNTIME_ENV,
     MODELS_ROUTE,
     RPC_ROUTE,
     SERVER_INFO_ROUTE,
@@ -108,6 +109,16 @@ class VLLMEngine(HTTPEngine):
     #: Worker-extension method (``LoraSyncWorkerExtension.lorasync_ping``) that answers a truthy
     #: value on every worker when lorasync's extension is loaded.
     worker_extension_probe: ClassVar[str] = "lorasync_ping"
+    remedies: ClassVar[Mapping[str, str]] = {
+        "lora": "restart the vLLM server with --enable-lora (and --max-lora-rank >= the adapter's rank)",
+        "runtime_lora": f"restart the vLLM server with {RUNTIME_ENV}=1 in its environment (and --api-server-count 1)",
+        "tensor_load": f"restart the vLLM server with VLLM_SERVER_DEV_MODE=1 in its environment and --worker-extension-cls "
+        f"{WORKER_EXTENSION} (lorasync importable by the server's Python), or publish with transport='disk'",
+        "weight_update": f"restart the vLLM server with VLLM_SERVER_DEV_MODE=1 in its environment and --worker-extension-cls "
+        f"{WORKER_EXTENSION} (lorasync importable by the server's Python)",
+        "same_host": "pass a root= (CLI --root) on a filesystem the server sees at the same path, or same_host=True if it "
+        "already does",
+    }
 
     def __init__(
         self,
@@ -352,6 +363,16 @@ class VLLMEngine(HTTPEngine):
         if route.status_code not in (404, 405):
             raise unexpected(self, route, LOAD_ROUTE, None, EngineProtocolError, "the check of the runtime LoRA route")
         runtime_lora = route.status_code == 405
+        if not runtime_lora and self.url.endswith("/v1"):
+            # The OpenAI base URL (".../v1", what OpenAI clients take): every route lorasync asks
+            # for then lands on /v1/v1/..., and each would look switched off. Said once, here.
+            models = yield Call("GET", MODELS_ROUTE.removeprefix("/v1"))
+            if models.status_code == 200:
+                root = self.url.removesuffix("/v1")
+                raise ConfigError(
+                    f"{self.kind} engine URL {self.url} ends in /v1, the OpenAI API's base URL; lorasync adds vLLM's "
+                    f"route paths itself: drop the /v1 (vllm:{root})"
+                )
 
         lora, max_rank, max_loras, targets, extension_cls, moe_3d = True, self.max_rank, self.max_loras, None, "", False
         info = yield Call("GET", SERVER_INFO_ROUTE, params={"config_format": "json"})

@@ -88,8 +88,13 @@ class VLLMInProcessEngine(StepDriver, Engine):
     """
 
     kind: ClassVar[str] = "vllm-inprocess"
-    # Staged through shared memory or a CUDA IPC copy into each worker's own memory.
+    # Staged through shared memory, a CUDA IPC copy or (same process) a copy into each worker's own memory.
     copies_tensors: ClassVar[bool] = True
+    remedies: ClassVar[Mapping[str, str]] = {
+        "lora": "build the vllm.LLM with enable_lora=True (and max_lora_rank >= the adapter's rank)",
+        "tensor_load": f"build the vllm.LLM with worker_extension_cls={WORKER_EXTENSION!r}, or publish with transport='disk'",
+        "weight_update": f"build the vllm.LLM with worker_extension_cls={WORKER_EXTENSION!r}",
+    }
 
     def __init__(self, *, llm: Any, loop: asyncio.AbstractEventLoop | None = None, timeout: float = 120.0, moe_lora_format: str = "per_expert") -> None:
         self.llm = llm
