@@ -99,7 +99,7 @@ def choose_transport(
         # A GPU adapter goes device to device where the engine takes tensors on this host (CUDA
         # IPC into the worker's GPU, or straight into an in-process worker): no byte crosses the
         # host, which a disk publish of GPU tensors would cost (design invariant 14).
-        on_gpu = caps.tensor_load and caps.same_host and _one_gpu(adapter)
+        on_gpu = caps.tensor_load and caps.device_tensors and _one_gpu(adapter)
         order = ("ipc", "disk") if caps.in_process or on_gpu else ("disk", "ipc")
         for name in order:
             transport = candidates[name]

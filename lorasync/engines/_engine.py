@@ -70,6 +70,9 @@ class Capabilities:
     load_inplace: bool = False  # replace_adapter swaps one name atomically and safely
     same_host: bool = True  # shares this host's filesystem / shared memory
     in_process: bool = False  # lives in this Python process (tensors hand over directly)
+    # Takes a GPU adapter device to device (CUDA IPC into its workers' GPUs) when the tensors
+    # live on a GPU of this host: the default transport then prefers tensors over files.
+    device_tensors: bool = False
     # Re-reads a registered adapter from its path when it was evicted (vLLM's LRU): no hard slot
     # limit, but the files must outlive every request that may need them.
     reloads_from_path: bool = False

@@ -33,8 +33,10 @@ def one_slot_server(qwen3_dir, tmp_path_factory):
 
 
 def stream(url: str, model: str, prompt: list[int], started: threading.Event, out: dict) -> None:
-    body = {**completion_body(model, prompt, LONG), "stream": True, "prompt_logprobs": None}
+    # Two candidates per token: where two runs part, whether it was a near tie shows.
+    body = {**completion_body(model, prompt, LONG), "stream": True, "prompt_logprobs": None, "logprobs": 2}
     tokens: list[int] = []
+    tops: list[dict[int, float]] = []
     try:
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as response:
             out["status"] = response.status_code
@@ -42,7 +44,9 @@ def stream(url: str, model: str, prompt: list[int], started: threading.Event, ou
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 choice = json.loads(line[6:])["choices"][0]
-                tokens += [int(t.split(":", 1)[1]) for t in (choice.get("logprobs") or {}).get("tokens", [])]
+                lp = choice.get("logprobs") or {}
+                tokens += [int(t.split(":", 1)[1]) for t in lp.get("tokens", [])]
+                tops += [{int(k.split(":", 1)[1]): float(v) for k, v in (top or {}).items()} for top in lp.get("top_logprobs", [])]
                 if tokens:
                     started.set()
     except Exception as exc:  # reported by the test
@@ -50,6 +54,7 @@ def stream(url: str, model: str, prompt: list[int], started: threading.Event, ou
     finally:
         started.set()
         out["tokens"] = tokens
+        out["tops"] = tops
 
 
 def test_request_on_v1_finishes_exactly_while_v2_and_v3_publish(one_slot_server, qwen3_dir, tmp_path):
@@ -89,10 +94,19 @@ def test_request_on_v1_finishes_exactly_while_v2_and_v3_publish(one_slot_server,
             chosen = lp.gather(1, torch.tensor(out["tokens"], device=lp.device)[:, None])[:, 0]
             gaps[label] = float((lp.max(-1).values - chosen).max())
         del v1_32, v3_32
-        record("inflight", long_tokens=LONG, published_while_running_s=published_s, same_tokens_as_undisturbed=same, worst_gap_nats=gaps)
-        assert gaps["v1"] <= 2 * TOL_FLOOR * 4, gaps  # every token v1's argmax up to a near tie
+        parted = first_difference(undisturbed, out)
+        record("inflight", long_tokens=LONG, published_while_running_s=published_s, same_tokens_as_undisturbed=same,
+               worst_gap_nats=gaps, first_difference=parted)  # fmt: skip
+        near = 2 * TOL_FLOOR * 4
+        assert gaps["v1"] <= near, gaps  # every token v1's argmax up to a near tie
         assert gaps["v3"] > gaps["v1"] * 10, gaps  # and far from what v3 would say
-        assert same, "the in-flight request's tokens differ from the undisturbed run's"
+        # bf16 on a GPU is not batch-invariant: the in-flight request shares its steps with the
+        # publishes' work and may be recomputed, so two runs of v1 can part where v1's two best
+        # tokens are a near tie (issue 34, item 5: recorded above). What a user can rely on: the
+        # same tokens, or a first difference at a near tie of the undisturbed run where the
+        # in-flight run took its runner-up; from there on every token is v1's (gaps above).
+        if not same:
+            assert parted is not None and parted["undisturbed_margin"] <= near and parted["took_runner_up"], parted
         # v3 serves now; v1 is retired once vLLM reports its request finished (keep=1; the
         # /metrics gauge that says so lags by vLLM's stats interval).
         report.settled(120)
@@ -113,3 +127,18 @@ def test_request_on_v1_finishes_exactly_while_v2_and_v3_publish(one_slot_server,
     finally:
         pub.close()
         engine.close()
+
+
+def first_difference(a: dict, b: dict) -> dict | None:
+    """Where two streamed runs part: the index, both tokens, and the undisturbed run's top two
+    log-probs there (its margin between best and runner-up), or None when they never part."""
+    for i, (x, y) in enumerate(zip(a["tokens"], b["tokens"])):
+        if x != y:
+            top = sorted(a["tops"][i].items(), key=lambda kv: -kv[1]) if i < len(a.get("tops", [])) else []
+            margin = top[0][1] - top[1][1] if len(top) > 1 else float("inf")
+            return {
+                "index": i, "undisturbed_token": x, "inflight_token": y, "undisturbed_top2": top[:2],
+                "inflight_top2": sorted(b["tops"][i].items(), key=lambda kv: -kv[1])[:2] if i < len(b.get("tops", [])) else [],
+                "undisturbed_margin": margin, "took_runner_up": len(top) > 1 and top[1][0] == y,
+            }  # fmt: skip
+    return None

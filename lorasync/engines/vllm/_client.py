@@ -415,6 +415,7 @@ class VLLMEngine(HTTPEngine):
             max_loras=max_loras,
             target_modules=targets,
             tensor_load=extension,
+            device_tensors=extension and self.same_host,
             weight_update=extension,
             load_inplace=False,
             reloads_from_path=True,  # the worker LRU re-reads an evicted adapter from its path
