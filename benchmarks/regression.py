@@ -8,12 +8,15 @@ So both versions run here side by side: the older ``lorasync/`` is taken out of 
 ``lorasync_base`` (:mod:`benchmarks._baseline`), and each round runs the same operation on the
 same tensors with one version, then the other, in alternating order.
 
-Two cases, each the measurement of record of its benchmark:
+Three cases, each the measurement of record of its benchmark:
 
 * ``publish`` — the every-step loop ``pub.publish(adapter, version=step)`` on the disk transport
   (tmpfs) to an engine that does nothing (so only lorasync's own work counts), alternating two
   adapters of the model shape; and a fresh ``Publisher``'s first publish. Wall time of the call
   plus its background retirement (``report.settled()``).
+* ``fleet`` — a Fleet round of 16 tenants on the disk transport to an engine that does nothing,
+  every tenant passed and one changed (``bench fleet``'s "fleet-changed" case, the one issue 33
+  asks to keep), and a round where all 16 changed.
 * ``vllm`` — the benchmark of record's loop on a real vLLM CPU server (``llama-10mb``, a 9.6 MB
   r16 all-linear adapter): ``publish(fsdp.export(model))``, then one completion on the new
   version whose token is checked against the trainer's. The peer (``save_pretrained`` + load +
@@ -68,11 +71,62 @@ def run(opts: Options) -> Report:
         report = Report(NAME, f"Regression: this checkout against {sha[:9]} ({rev}), interleaved in one run")
         report.data["against"] = sha
         _publish_case(opts, report, versions, tmp)
+        _fleet_case(opts, report, versions, tmp)
         _vllm_case(opts, report, versions, tmp)
         report.notes.append("Each round runs the same operation with both versions, in alternating order; the ratio is this checkout / baseline per round, and the goal takes their median.")
         return report
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _fleet_case(opts: Options, report: Report, versions: dict[str, ModuleType], tmp: Path) -> None:
+    shape = ModelShape.load(opts.shapes[0] if opts.shapes else "qwen3-0.6b")
+    rank = opts.ranks[0] if opts.ranks else 16
+    tenants = 16
+    repeats, warmup = opts.reps(12, 4), opts.warm(2, 1)
+    adapters = [synth_adapter(shape, rank=rank, scope="all-linear", dtype=torch.bfloat16, seed=s) for s in range(tenants)]
+    parent = opts.root or (Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp)
+    root = Path(tempfile.mkdtemp(prefix="lorasync-bench-regression-fleet-", dir=parent))
+    os.chmod(root, 0o700)
+    engines = {k: _noop_engine(pkg) for k, pkg in versions.items()}
+    fleets: dict[str, Any] = {}
+    cpu: dict[str, dict[str, list[float]]] = {"one": {k: [] for k in versions}, "all": {k: [] for k in versions}}
+    names = [f"t{i}" for i in range(tenants)]
+    try:
+        for k, pkg in versions.items():
+            fleet = pkg.Fleet([engines[k]()], transport="disk", root=root / k)
+            for name in names:
+                fleet.register(name, keep=1, grace=0.0)
+            own = [pkg.Adapter(a.tensors, a.config) for a in adapters]
+            fleet.publish(dict(zip(names, own)), versions=dict.fromkeys(names, 0)).raise_for_errors()
+            fleets[k] = (fleet, own)
+        version = 0
+        for i in progress(range(warmup + repeats), desc="regression: fleet rounds", show=opts.progress):
+            for what in ("one", "all"):
+                version += 1
+                with torch.no_grad():  # the trainers step: tenant 0 alone, or every tenant
+                    for a in adapters[: 1 if what == "one" else tenants]:
+                        next(iter(a.tensors.values())).add_(1)
+                order = list(versions) if i % 2 else list(versions)[::-1]
+                for k in order:
+                    fleet, own = fleets[k]
+                    start = time.process_time()
+                    fleet.publish(dict(zip(names, own)), versions=dict.fromkeys(names, version)).raise_for_errors()
+                    if i >= warmup:
+                        cpu[what][k].append(time.process_time() - start)
+    finally:
+        for fleet, _ in fleets.values():
+            fleet.close()
+        shutil.rmtree(root, ignore_errors=True)
+    label = f"{tenants} tenants of {shape.name} r{rank} all-linear bf16, {adapters[0].nbytes / 1e6:.1f} MB each"
+    rows = []
+    for what, title in (("one", "round, one tenant changed"), ("all", "round, every tenant changed")):
+        ratio = _paired(cpu[what])
+        low, high = _interval(cpu[what])
+        rows.append([title, fmt_ms(statistics.median(cpu[what]["base"])), fmt_ms(statistics.median(cpu[what]["head"])), f"{ratio:.2f} ({low:.2f}–{high:.2f})"])
+        report.goals.append(Goal(f"fleet: {title}, this checkout / baseline (CPU time)", ratio, LIMIT, f"{label}; 95 % interval {low:.2f}–{high:.2f}"))
+    report.tables.append(Table(f"Fleet rounds to an engine that does nothing ({label}; tmpfs; median of {repeats} rounds; CPU ms)", ["case", "baseline", "this checkout", "paired ratio (95 % interval)"], rows))
+    report.data["fleet"] = {"shape": shape.name, "rank": rank, "tenants": tenants, "cpu": cpu}
 
 
 def _noop_engine(pkg: ModuleType) -> type:

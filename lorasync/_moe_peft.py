@@ -92,13 +92,13 @@ def targets_in_model(model: Any, adapter_name: str, clean: Callable[[str], str |
     """The parameters ``adapter_name`` targets through PEFT ``ParamWrapper`` modules of ``model``.
 
     Args:
-        model: the (possibly wrapped) PEFT model.
+        model: the (possibly wrapped) PEFT model, or its ``named_modules()`` already listed.
         adapter_name: the PEFT adapter.
         clean: maps a decorated module name to its PEFT module path (no prefix, no wrappers),
             or None for a name outside the adapter.
     """
     found = []
-    for name, module in model.named_modules():
+    for name, module in model if isinstance(model, list) else model.named_modules():
         if type(module).__name__ != "ParamWrapper" or adapter_name not in getattr(module, "lora_A", {}):
             continue
         saved_as = clean(name)
