@@ -278,8 +278,13 @@ class Publisher(PublisherLife):
         error. Returns the result, and the transport when the version must settle (``reuse``: dedup)."""
         result = EngineResult(engine=engine.kind or type(engine).__name__, url=engine.url, status="failed")
         settle = None
+        handle, ledger = self._handles[id(engine)], self._ledgers[id(engine)]
         try:
-            settle = await self._publish_one(engine, self._ledgers[id(engine)], result, adapter, version, digest, probe, reuse=reuse)
+            # A cancel here leaves the engine call in flight running in its thread: the handle
+            # remembers it, and the next publish waits for it (bounded) and undoes what it loaded.
+            with handle.cancellable(ledger, version):
+                await handle.after_cancelled(ledger)
+                settle = await self._publish_one(engine, ledger, result, adapter, version, digest, probe, reuse=reuse)
         except Exception as exc:
             self._care.failed(engine, result, exc, version)
         return result, settle
