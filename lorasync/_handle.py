@@ -5,60 +5,42 @@ The publisher owns one handle per engine and calls it under its lock; the decisi
 retire are :func:`lorasync._retention.plan`'s, the files' fate is :class:`lorasync._files.VersionFiles`'.
 
 A content hash is reused only under the same identity (design invariant 8): :meth:`EngineHandle.sync`
-keeps, for each version the engine lists, a hash only while the engine still serves the very load
-it was taken of. Where the engine names the source of each adapter (``Engine.adapter_sources``:
-vLLM, SGLang, the PEFT engine, Ray actors hosting them), that is checked: the hash this publisher
-remembered for the source it loaded, or the hash recorded with the very directory the engine
-names. An engine that cannot name sources is trusted only in this process (nothing outside it
-can reload an in-process engine); a remote one then keeps no hash past the load itself, so
-identical content is published again rather than reported as served on memory alone.
+keeps, for each version the engine lists, a hash only while the engine still serves the very load it
+was taken of. Where the engine names the source of each adapter (``Engine.adapter_sources``: vLLM,
+SGLang, the PEFT engine, Ray actors hosting them), that is checked: the hash this publisher
+remembered for the source it loaded, or the hash recorded with the very directory the engine names.
+An engine that cannot name sources is trusted only in this process (nothing outside it can reload an
+in-process engine); a remote one then keeps no hash past the load itself, so identical content is
+published again rather than reported as served on memory alone.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import contextlib
 import logging
 import time
 import warnings
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any
 
 from lorasync._adapter import Adapter
+from lorasync._cancelled import CancelledCalls
 from lorasync._capacity import plan_room
 from lorasync._files import VersionFiles
 from lorasync._leaks import SlotLeaks
-from lorasync._loop import tracked_calls
 from lorasync._names import parse_served_name, served_name
 from lorasync._probe import Probe, run_probe
 from lorasync._retention import LEARN, Ledger, Retention, RetentionWarning, plan
 from lorasync.engines._engine import Capabilities, Engine, is_in_process_id
-from lorasync.errors import AdapterNotFoundError, EngineError, EngineTimeoutError, StaleVersionError, VerificationError
+from lorasync.errors import AdapterNotFoundError, EngineError, StaleVersionError, VerificationError
 from lorasync.transports._transport import Transport
 from lorasync.transports.inplace import InPlaceTransport
 from lorasync.transports._snapshot import OwnedAdapter, owned_copy
 from lorasync.transports.merged import MergedTransport
 
-__all__ = ["CANCELLED_CALL_WAIT_S", "EngineHandle"]
+__all__ = ["EngineHandle"]
 
 log = logging.getLogger("lorasync.publish")
-
-#: How long the next publish waits for an engine call that a cancelled publish left running in
-#: its thread (the PEFT engine holds its lock through it) before it reports that engine failed:
-#: as long as it waits for a stuck retirement (``lorasync._aftercare.SETTLE_WAIT_S``).
-CANCELLED_CALL_WAIT_S = 5.0
-
-
-@dataclass
-class _Cancelled:
-    """A publish of ``version`` cancelled with engine ``calls`` possibly still running in their
-    threads; ``recorded``: the ledger held the version when it was cancelled (it is not undone)."""
-
-    version: int
-    recorded: bool
-    calls: list[concurrent.futures.Future[Any]]
 
 
 class EngineHandle:
@@ -79,7 +61,7 @@ class EngineHandle:
         self.last_in_use: frozenset[str] | None = None
         self._caps: Capabilities | None = None
         self.leaks = SlotLeaks(engine, self.where)  # retired names the engine may still hold
-        self._cancelled: list[_Cancelled] = []  # cancelled publishes not reconciled yet
+        self.cancelled = CancelledCalls(self)  # what cancelled publishes left running (lorasync._cancelled)
 
     @property
     def where(self) -> str:
@@ -107,49 +89,6 @@ class EngineHandle:
 
     def forget_caps(self) -> None:
         self._caps = None
-
-    @contextlib.contextmanager
-    def cancellable(self, ledger: Ledger, version: int) -> Iterator[None]:
-        """Run one publish of ``version`` to this engine; if it is cancelled, remember the engine
-        calls it left running (a cancel stops the awaiting, not a call in its thread: the PEFT
-        engine goes on loading under its lock) for :meth:`after_cancelled`."""
-        with tracked_calls() as calls:
-            try:
-                yield
-            except asyncio.CancelledError:
-                ledger.synced = False  # stopped half-way: ask the engine again before trusting it
-                self._cancelled.append(_Cancelled(version, version in ledger.versions, [c for c in calls if not c.done()]))
-                raise
-
-    async def after_cancelled(self, ledger: Ledger) -> None:
-        """Before this engine is touched again: wait for what cancelled publishes left running, at
-        most ``CANCELLED_CALL_WAIT_S``, then take out a version such a publish loaded without
-        recording it (it was never reported served; the previous version serves on).
-
-        Raises:
-            EngineTimeoutError: a cancelled load still runs; nothing was changed (retry later).
-        """
-        if not self._cancelled:
-            return
-        running = [asyncio.wrap_future(c) for left in self._cancelled for c in left.calls if not c.done()]
-        if running:
-            _, pending = await asyncio.wait(running, timeout=CANCELLED_CALL_WAIT_S)
-            if pending:
-                versions = ", ".join(f"v{left.version}" for left in self._cancelled if any(not c.done() for c in left.calls))
-                raise EngineTimeoutError(
-                    f"{self.where} is still busy with the cancelled load of {self.name} {versions} after "
-                    f"{CANCELLED_CALL_WAIT_S:g} s; nothing was changed, the previous version still serves: retry once it finished",
-                    engine=self.engine.kind,
-                    url=self.engine.url,
-                    adapter=self.name,
-                )
-        ledger.synced = False
-        await self.sync(ledger)
-        stray = sorted({left.version for left in self._cancelled if not left.recorded and left.version in ledger.versions})
-        if stray:
-            log.info("%s: unloading %s, loaded by a publish that was cancelled", self.where, ", ".join(served_name(self.name, v) for v in stray))
-            await self.unload(ledger, stray)
-        self._cancelled = []
 
     async def sync(self, ledger: Ledger, *, just_loaded: int | None = None) -> None:
         """Read which versions of ``name`` the engine serves now (once until the next failure).
@@ -275,16 +214,8 @@ class EngineHandle:
         Returns:
             ``(retired, deferred)`` served names.
         """
-        decision = plan(
-            ledger,
-            policy,
-            name_of={v: served_name(self.name, v) for v in ledger.versions},
-            in_use=await self.in_use(),
-            pins=pins,
-            now=time.monotonic(),
-            closing=closing,
-            drains=self.drains,
-        )
+        name_of = {v: served_name(self.name, v) for v in ledger.versions}
+        decision = plan(ledger, policy, name_of=name_of, in_use=await self.in_use(), pins=pins, now=time.monotonic(), closing=closing, drains=self.drains)
         for version, why in decision.forced:
             warnings.warn(
                 f"{served_name(self.name, version)} on {self.where} was unloaded although requests still used it: "

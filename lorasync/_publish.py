@@ -282,8 +282,8 @@ class Publisher(PublisherLife):
         try:
             # A cancel here leaves the engine call in flight running in its thread: the handle
             # remembers it, and the next publish waits for it (bounded) and undoes what it loaded.
-            with handle.cancellable(ledger, version):
-                await handle.after_cancelled(ledger)
+            with handle.cancelled.watch(ledger, version):
+                await handle.cancelled.reconcile(ledger)
                 settle = await self._publish_one(engine, ledger, result, adapter, version, digest, probe, reuse=reuse)
         except Exception as exc:
             self._care.failed(engine, result, exc, version)

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from lorasync import Publisher, _handle
+from lorasync import Publisher, _cancelled
 from lorasync.errors import EngineTimeoutError
 from lorasync.testing import make_tiny_model, tiny_llama_adapter
 from tests.reliability._trust import same, served_lora
@@ -78,7 +78,7 @@ def test_a_publish_after_a_cancelled_load_waits_for_it_then_unloads_what_it_left
         await (await pub.apublish(_adapter(0), version=0)).asettled()
         await _cancel_mid_load(pub, engine)
         t0 = time.monotonic()
-        report = await asyncio.wait_for(pub.apublish(_adapter(2), version=2), _handle.CANCELLED_CALL_WAIT_S + 10)
+        report = await asyncio.wait_for(pub.apublish(_adapter(2), version=2), _cancelled.CANCELLED_CALL_WAIT_S + 10)
         waited = time.monotonic() - t0
         await report.asettled()
         return report, waited
@@ -86,13 +86,13 @@ def test_a_publish_after_a_cancelled_load_waits_for_it_then_unloads_what_it_left
     report, waited = bounded(asyncio.run, trainer(), what="the publish after a cancelled load")
     assert report.ok, report
     assert engine.loaded.is_set()
-    assert waited < _handle.CANCELLED_CALL_WAIT_S + 5, waited
+    assert waited < _cancelled.CANCELLED_CALL_WAIT_S + 5, waited
     _serves_exactly(engine, {0: _adapter(0), 2: _adapter(2)})  # no p@v1: it was cancelled
     pub.close()
 
 
 def test_a_publish_after_a_cancelled_load_that_outlasts_the_bound_fails_typed_and_keeps_the_previous(tmp_path, monkeypatch):
-    monkeypatch.setattr(_handle, "CANCELLED_CALL_WAIT_S", 0.5)
+    monkeypatch.setattr(_cancelled, "CANCELLED_CALL_WAIT_S", 0.5)
     engine = _engine(4.0)
     pub = Publisher([engine], name="p", keep=2, root=tmp_path, grace=0.0)
 
@@ -133,7 +133,7 @@ def test_a_sync_publish_from_a_thread_after_a_cancelled_apublish(tmp_path):
     report = bounded(pub.publish, _adapter(2), version=2, what="the sync publish after a cancelled apublish")
     waited = time.monotonic() - t0
     assert report.ok, report
-    assert waited < _handle.CANCELLED_CALL_WAIT_S + 5, waited
+    assert waited < _cancelled.CANCELLED_CALL_WAIT_S + 5, waited
     report.settled()
     _serves_exactly(engine, {0: _adapter(0), 2: _adapter(2)})
     pub.close()
