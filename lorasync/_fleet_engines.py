@@ -189,8 +189,8 @@ class FleetEngines:
 async def restore_on(tenant: Tenant, engine: Engine, report: FleetReport) -> None:
     """Load ``tenant``'s current version on ``engine`` (just added), at the same version, into
     ``report``. The source is lorasync's own copy (the owned snapshot, else the version's files in
-    the store), never the trainer's tensors. The publish goes to every engine: those that serve the
-    version already report it ``unchanged`` and move nothing."""
+    the store), never the trainer's tensors. The publish is a restore (:func:`republish`): engines
+    that list the version already report it ``unchanged`` and nothing is loaded over it there."""
     published = await republish(tenant, report)
     if published is None:
         return

@@ -5,13 +5,13 @@ The publisher owns one handle per engine and calls it under its lock; the decisi
 retire are :func:`lorasync._retention.plan`'s, the files' fate is :class:`lorasync._files.VersionFiles`'.
 
 A content hash is reused only under the same identity (design invariant 8): :meth:`EngineHandle.sync`
-keeps, for each version the engine lists, a hash only while the engine still serves the very load
-it was taken of. Where the engine names the source of each adapter (``Engine.adapter_sources``:
-vLLM, SGLang, the PEFT engine, Ray actors hosting them), that is checked: the hash this publisher
-remembered for the source it loaded, or the hash recorded with the very directory the engine
-names. An engine that cannot name sources is trusted only in this process (nothing outside it
-can reload an in-process engine); a remote one then keeps no hash past the load itself, so
-identical content is published again rather than reported as served on memory alone.
+keeps, for each version the engine lists, a hash only while the engine still serves the very load it
+was taken of. Where the engine names the source of each adapter (``Engine.adapter_sources``: vLLM,
+SGLang, the PEFT engine, Ray actors hosting them), that is checked: the hash this publisher
+remembered for the source it loaded, or the hash recorded with the very directory the engine names.
+An engine that cannot name sources is trusted only in this process (nothing outside it can reload an
+in-process engine); a remote one then keeps no hash past the load itself, so identical content is
+published again rather than reported as served on memory alone.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from lorasync._adapter import Adapter
+from lorasync._cancelled import CancelledCalls
 from lorasync._capacity import plan_room
 from lorasync._files import VersionFiles
 from lorasync._leaks import SlotLeaks
@@ -60,6 +61,7 @@ class EngineHandle:
         self.last_in_use: frozenset[str] | None = None
         self._caps: Capabilities | None = None
         self.leaks = SlotLeaks(engine, self.where)  # retired names the engine may still hold
+        self.cancelled = CancelledCalls(self)  # what cancelled publishes left running (lorasync._cancelled)
 
     @property
     def where(self) -> str:
@@ -212,16 +214,8 @@ class EngineHandle:
         Returns:
             ``(retired, deferred)`` served names.
         """
-        decision = plan(
-            ledger,
-            policy,
-            name_of={v: served_name(self.name, v) for v in ledger.versions},
-            in_use=await self.in_use(),
-            pins=pins,
-            now=time.monotonic(),
-            closing=closing,
-            drains=self.drains,
-        )
+        name_of = {v: served_name(self.name, v) for v in ledger.versions}
+        decision = plan(ledger, policy, name_of=name_of, in_use=await self.in_use(), pins=pins, now=time.monotonic(), closing=closing, drains=self.drains)
         for version, why in decision.forced:
             warnings.warn(
                 f"{served_name(self.name, version)} on {self.where} was unloaded although requests still used it: "

@@ -32,13 +32,13 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from lorasync.errors import PublisherClosedError
 
-__all__ = ["UNWIND_S", "DaemonPool", "LoopLock", "LoopThread", "held", "to_thread"]
+__all__ = ["UNWIND_S", "DaemonPool", "LoopLock", "LoopThread", "held", "to_thread", "tracked_calls"]
 
 T = TypeVar("T")
 
@@ -144,12 +144,35 @@ _SHARED = DaemonPool("lorasync-io")
 _POOLS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, DaemonPool] = weakref.WeakKeyDictionary()
 
 
+#: Where :func:`to_thread` notes the calls it starts, inside :func:`tracked_calls`.
+_TRACKED: contextvars.ContextVar[list[concurrent.futures.Future[Any]] | None] = contextvars.ContextVar("lorasync_tracked_calls", default=None)
+
+
 async def to_thread(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
     """``asyncio.to_thread`` in a daemon thread (see the module docstring): the context variables
     follow the call, as they do with ``asyncio.to_thread``."""
     loop = asyncio.get_running_loop()
     call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)
-    return await loop.run_in_executor(_POOLS.get(loop, _SHARED), call)
+    pool = _POOLS.get(loop, _SHARED)
+    calls = _TRACKED.get()
+    if calls is None:
+        return await loop.run_in_executor(pool, call)
+    future = pool.submit(call)
+    calls.append(future)
+    return await asyncio.wrap_future(future, loop=loop)
+
+
+@contextlib.contextmanager
+def tracked_calls() -> Iterator[list[concurrent.futures.Future[Any]]]:
+    """Note the thread calls :func:`to_thread` starts in this context (and in the tasks started
+    from it) in the list yielded: a cancel stops the awaiting, never the call in its thread, and
+    whoever comes next may have to wait for it (``EngineHandle.cancelled``)."""
+    calls: list[concurrent.futures.Future[Any]] = []
+    token = _TRACKED.set(calls)
+    try:
+        yield calls
+    finally:
+        _TRACKED.reset(token)
 
 
 class LoopThread:

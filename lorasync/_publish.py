@@ -193,9 +193,10 @@ class Publisher(PublisherLife):
         return await self._apublish(adapter, version=version, verify=verify)
 
     @async_entry("pub.apublish()")
-    async def _apublish(self, adapter: AdapterLike, *, version: int, verify: Probe | None = None, digest: PublishDigest | None = None) -> PublishReport:
+    async def _apublish(self, adapter: AdapterLike, *, version: int, verify: Probe | None = None, digest: PublishDigest | None = None, restore: bool = False) -> PublishReport:
         """:meth:`apublish`; ``digest``: the publish's view of ``adapter`` begun before the call
-        (a Fleet round hashed it, or copied it, under that digest's torn-read watch)."""
+        (a Fleet round hashed it, or copied it, under that digest's torn-read watch); ``restore``:
+        load ``version`` again only where the engine does not list it (a Fleet restore)."""
         version = validate_version(version)
         if verify is not None and not isinstance(verify, Probe):  # before anything is exported or loaded
             raise ConfigError(f"verify must be a lorasync.Probe (Probe.from_model(...)) or None, got {type(verify).__name__}")
@@ -216,12 +217,12 @@ class Publisher(PublisherLife):
             # From here on the publish reads the tensors: a change now tears it (a Fleet round's
             # digest began watching before it hashed them).
             digest = digest if digest is not None else PublishDigest(adapter)
-            done = await asyncio.gather(*(self._guarded(e, adapter, version, digest, probe) for e in self.engines))
+            done = await asyncio.gather(*(self._guarded(e, adapter, version, digest, probe, restore=restore) for e in self.engines))
             if len({r.served_name for r, _ in done if r.ok and r.served_name}) > 1:
                 # Engines serving this content under an older name load it as this version too, so
                 # report.served_name (what callers put in model=) is served by every engine that is ok.
                 again = [i for i, (r, _) in enumerate(done) if r.status == "unchanged"]
-                for i, redone in zip(again, await asyncio.gather(*(self._guarded(self.engines[i], adapter, version, digest, probe, reuse=False) for i in again))):
+                for i, redone in zip(again, await asyncio.gather(*(self._guarded(self.engines[i], adapter, version, digest, probe, reuse=False, restore=restore) for i in again))):
                     done[i] = redone
             results = [r for r, _ in done]
             if all(r.status == "unchanged" for r in results) or digest.torn is not None:
@@ -273,18 +274,23 @@ class Publisher(PublisherLife):
 
     # -- one engine -------------------------------------------------------------------------------
 
-    async def _guarded(self, engine: Engine, adapter: Adapter, version: int, digest: PublishDigest, probe: Probe | None, *, reuse: bool = True) -> tuple[EngineResult, Transport | None]:
+    async def _guarded(self, engine: Engine, adapter: Adapter, version: int, digest: PublishDigest, probe: Probe | None, *, reuse: bool = True, restore: bool = False) -> tuple[EngineResult, Transport | None]:
         """One engine's publish up to serving; whatever it raises becomes this engine's typed, reported
         error. Returns the result, and the transport when the version must settle (``reuse``: dedup)."""
         result = EngineResult(engine=engine.kind or type(engine).__name__, url=engine.url, status="failed")
         settle = None
+        handle, ledger = self._handles[id(engine)], self._ledgers[id(engine)]
         try:
-            settle = await self._publish_one(engine, self._ledgers[id(engine)], result, adapter, version, digest, probe, reuse=reuse)
+            # A cancel here leaves the engine call in flight running in its thread: the handle
+            # remembers it, and the next publish waits for it (bounded) and undoes what it loaded.
+            with handle.cancelled.watch(ledger, version):
+                await handle.cancelled.reconcile(ledger)
+                settle = await self._publish_one(engine, ledger, result, adapter, version, digest, probe, reuse=reuse, restore=restore)
         except Exception as exc:
             self._care.failed(engine, result, exc, version)
         return result, settle
 
-    async def _publish_one(self, engine: Engine, ledger: Ledger, result: EngineResult, adapter: Adapter, version: int, hashing: PublishDigest, probe: Probe | None, *, reuse: bool) -> Transport | None:
+    async def _publish_one(self, engine: Engine, ledger: Ledger, result: EngineResult, adapter: Adapter, version: int, hashing: PublishDigest, probe: Probe | None, *, reuse: bool, restore: bool) -> Transport | None:
         handle = self._handles[id(engine)]
         t0 = time.perf_counter()
         caps = await handle.caps()
@@ -296,6 +302,7 @@ class Publisher(PublisherLife):
             result.served_name = self.name
         if not transport.versioned:
             await handle.check_memory(ledger, transport)  # what it swapped in or merged counts only while served
+        ledger.synced = ledger.synced and not (restore and transport.versioned)  # a restore acts on what the engine lists now
         fresh = not ledger.synced
         if transport.versioned:
             await handle.sync(ledger)
@@ -312,11 +319,14 @@ class Publisher(PublisherLife):
             # restarted (and forgotten every adapter, or been given another job's) since.
             ledger.synced = False
             await handle.sync(ledger)
-        if reuse and ledger.unchanged(versioned=transport.versioned, version=version, digest=digest):
+        # A restore loads only where the version is missing: one listed from a load whose content
+        # cannot be known is left alone, neither hashed nor loaded over (design invariant 8).
+        kept = restore and transport.versioned and ledger.listed_unknown(version)
+        if reuse and (kept or ledger.unchanged(versioned=transport.versioned, version=version, digest=digest)):
             # The identical adapter is served under its earlier version's name: report that name.
             result.status = "unchanged"
             result.served_name = served_name(self.name, ledger.newest()) if transport.versioned else (self.name if self.in_place else "")  # type: ignore[arg-type]
-            result.reason = f"already serving identical content ({digest[:12]}); nothing moved"
+            result.reason = "listed already; a restore loads only where it is missing" if kept else f"already serving identical content ({digest[:12]}); nothing moved"
             if probe is not None:  # reported served only once the engine reproduces the probe (invariant 11)
                 await handle.verify_served(probe, result.served_name or None)
                 result.reason += "; verified through the engine"

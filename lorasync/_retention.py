@@ -155,6 +155,11 @@ class Ledger:
         newest = self.newest()
         return newest is not None and newest <= version and self.versions[newest] == digest
 
+    def listed_unknown(self, version: int) -> bool:
+        """The engine lists ``version`` as its newest, from a load whose content cannot be known
+        (no hash: SGLang names no source for a tensor load), and nothing says it failed a probe."""
+        return self.newest() == version and self.versions[version] is None and version not in self.unverified
+
     def check_monotonic(self, name: str, *, versioned: bool, version: int, digest: str) -> None:
         """Refuse a version that would replace a newer (or the same, with other content) one.
 

@@ -253,14 +253,15 @@ async def restore(tenant: Tenant, report: FleetReport) -> None:
 async def republish(tenant: Tenant, report: FleetReport) -> PublishReport | None:
     """Publish the tenant's current version again, at that version, from lorasync's own copy of
     it (the owned snapshot, else its files: :func:`from_files`), never the trainer's tensors.
-    Engines that serve it already report it ``unchanged`` and move nothing; every engine it loads
+    Engines that list it already report it ``unchanged`` and move nothing (one whose content of it
+    cannot be known, as after an SGLang tensor load, is left as it is); every engine it loads
     on is checked against the probe the version was published with (a restore never serves a
     version unverified, nor one that failed its probe there). Returns the publish
     report, or None when it failed outright (then ``report`` says so for the tenant)."""
     assert tenant.version is not None
     try:
         source = tenant._copy if tenant._copy is not None else await asyncio.to_thread(from_files, tenant)
-        return await tenant.publisher.apublish(source, version=tenant.version, verify=tenant._probe)
+        return await tenant.publisher._apublish(source, version=tenant.version, verify=tenant._probe, restore=True)
     except LoraSyncError as exc:
         report.tenants[tenant.name] = TenantReport(tenant.name, tenant.registration, "failed", tenant.version, tenant.served_name, error=exc)
         return None

@@ -27,7 +27,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("_names", "_keys", "_config", "_moe", "_moe_peft", "_retry", "_collectives", "_retention", "_loop", "_background", "_lifecycle"),
     ("_adapter", "_probe", "_report", "transforms"),
     ("exporters", "transports", "engines"),
-    ("distributed", "_publish", "_session", "_api", "_handle", "_capacity", "_leaks", "_files", "_select", "_digest", "_aftercare", "_fleet", "_fleet_engines", "_fleet_plan", "_fleet_round", "_fleet_hash", "_tenant", "inspection"),
+    ("distributed", "_publish", "_session", "_api", "_handle", "_cancelled", "_capacity", "_leaks", "_files", "_select", "_digest", "_aftercare", "_fleet", "_fleet_engines", "_fleet_plan", "_fleet_round", "_fleet_hash", "_tenant", "inspection"),
     ("cli", "integrations", "testing", "__main__", "__init__"),
 ]
 

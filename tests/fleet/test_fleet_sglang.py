@@ -109,23 +109,7 @@ def _clean(url: str) -> SGLangEngine:
     return engine
 
 
-@pytest.mark.parametrize(
-    "add",
-    [
-        False,
-        pytest.param(
-            True,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="issue 33 item 8, open: add_engine republishes the current version to every engine; the old "
-                "SGLang engine lists it from a tensor load, whose source SGLang does not name, so its content is "
-                "unknown and the publisher refuses 'v2 would replace v2' (StaleVersionError). Fleet core "
-                "(_fleet_engines.restore_on) must publish a restore only where the version is missing",
-            ),
-        ),
-    ],
-    ids=["restore", "add_engine"],
-)
+@pytest.mark.parametrize("add", [False, True], ids=["restore", "add_engine"])
 def test_fleet_over_tensor_loads_publishes_every_tenant_and_restores(add, tensor_url, sglang_url, tiny_model_dir, tmp_path):
     """Three tenants over tensor loads (transport="ipc"), on both protocols: every round loads
     all three at once (SGLang main opens a weight-update session per streamed load and allows one
@@ -164,5 +148,43 @@ def test_fleet_over_tensor_loads_publishes_every_tenant_and_restores(add, tensor
         assert sorted(other.list_adapters()) == ["a@v2", "b@v2", "c@v2"]
         assert all(serves(other, f"{n}@v2", m) for n, m in models.items())
         fleet.remove_engine(other)
+    engine.close()
+    other.close()
+
+
+def test_fleet_restore_over_tensor_loads_loads_only_where_the_version_is_missing(tensor_url, sglang_url, tiny_model_dir, tmp_path):
+    """Issue 33 item 8: two engines taking tensors, one loses a tenant's version. The restore (asked
+    for, and the one a round does by itself) loads it there alone: the engine that still lists it
+    from a tensor load (SGLang names no source for it, so its content cannot be known) is left as
+    it is, where before the restore published to it too and reported the tenant failed
+    (StaleVersionError, "v1 would replace v1") though the restore worked."""
+    engine, other = _clean(tensor_url), _clean(sglang_url)
+    models = {name: make(tiny_model_dir, s) for name, s in (("a", 1), ("b", 2))}
+
+    def serves(client: SGLangEngine, name: str, model) -> bool:
+        return list(client.generate(PROMPT, lora_name=name, max_new_tokens=4).output_ids) == reference(model)
+
+    def everywhere(versions: dict[str, int]) -> None:
+        for client in (engine, other):
+            assert sorted(client.list_adapters()) == sorted(f"{n}@v{v}" for n, v in versions.items()), client.url
+            assert all(serves(client, f"{n}@v{v}", models[n]) for n, v in versions.items()), client.url
+
+    with Fleet([engine, other], transport="ipc", root=tmp_path) as fleet:
+        for name in models:
+            fleet.register(name, keep=1, grace=0.0)
+        report = fleet.publish({n: export(m, copy=True) for n, m in models.items()}, versions=dict.fromkeys(models, 1))
+        assert report.ok, report
+        everywhere({"a": 1, "b": 1})
+        other.unload_adapter("b@v1")  # lost there, as after a crash of that adapter
+        restored = fleet.restore()
+        assert restored.ok and sorted(restored.tenants) == ["b"], restored
+        assert restored["b"].status == "restored" and restored["b"].restored_on == [f"sglang at {other.url}"], restored
+        everywhere({"a": 1, "b": 1})
+        engine.unload_adapter("a@v1")  # a round restores what engines lost by itself
+        step(models["b"], seed=7)
+        report = fleet.publish({"b": export(models["b"], copy=True)}, versions={"b": 2})
+        assert report.ok and report["a"].status == "restored" and report["b"].status == "loaded", report
+        assert report["a"].restored_on == [f"sglang at {engine.url}"], report
+        everywhere({"a": 1, "b": 2})
     engine.close()
     other.close()
