@@ -142,12 +142,13 @@ class Aftercare:
     async def _after(self, phase: Phase) -> None:
         phase.finished = set()
 
-        async def one(engine: Engine, result: EngineResult, transport: Transport) -> None:
+        async def one(engine: Engine, result: EngineResult, transport: Transport | None) -> None:
             handle, ledger = self._handles[id(engine)], self._ledgers[id(engine)]
             t0 = time.perf_counter()
             left = self._left.pop(id(engine), set())
             try:
-                await handle.settle(ledger, transport, phase.version, self.retention, self.pins())
+                if transport is not None:
+                    await handle.settle(ledger, transport, phase.version, self.retention, self.pins())
                 # What a cancelled phase left loaded and is gone now (its stuck call went through
                 # after all) retired too: say so here, where its retry is reported.
                 result.retired += [served_name(self.name, v) for v in sorted(left) if v not in ledger.versions]
@@ -159,10 +160,20 @@ class Aftercare:
             result.timings["retire"] = time.perf_counter() - t0
             phase.finished.add(id(engine))
 
-        await asyncio.gather(*(one(e, r, t) for e, (r, t) in zip(self.engines, phase.done) if t is not None))
+        await asyncio.gather(*(one(e, r, t) for e, (r, t) in zip(self.engines, phase.done) if t is not None or self._outgrown(e, r)))
         t0 = time.perf_counter()
         await self.collect_files(phase.version)
         phase.timings["gc"] = time.perf_counter() - t0
+
+    def _outgrown(self, engine: Engine, result: EngineResult) -> bool:
+        """An engine reported ``unchanged`` that lists versions outside the window: the version it
+        serves was found loaded already (a load whose answer was lost, recognised by its files),
+        beside the older ones it replaces; they retire as after a load."""
+        ledger = self._ledgers[id(engine)]
+        if result.status != "unchanged" or self.in_place or not ledger.synced:
+            return False
+        window = self.retention.window([v for v in ledger.versions if v not in ledger.unverified], self.pins())
+        return any(v not in window for v in ledger.versions)
 
     async def previous_settled(self) -> bool:
         """Wait for the last publish's background phase, at most ``SETTLE_WAIT_S``; whether it

@@ -47,7 +47,7 @@ from lorasync._select import TRANSPORTS, choose_transport
 from lorasync._session import PublisherLife, refuse_duplicates
 from lorasync.engines._engine import Capabilities, Engine
 from lorasync.engines._registry import engine_list
-from lorasync.errors import ConfigError, VerificationError
+from lorasync.errors import AdapterAlreadyLoadedError, ConfigError, VerificationError
 from lorasync.transports._transport import Transport, finish
 from lorasync.transports._base_weights import BaseWeights
 from lorasync.transports._store import DiskStore
@@ -355,6 +355,13 @@ class Publisher(PublisherLife):
         except BaseException as exc:
             if probe is not None and isinstance(exc, asyncio.CancelledError):
                 await self._withdraw_cancelled(handle, ledger, transport, version, caps=caps, previous=previous)
+            elif transport.versioned and not with_files and not isinstance(exc, AdapterAlreadyLoadedError):
+                # The load may have landed before its answer was lost (dropped, timed out, the engine
+                # unreachable right after). A tensor load names no files that say what it holds: if
+                # the engine lists this version later, it is unverified (never reported served, taken
+                # out before the next load) rather than another job's, refused as stale.
+                ledger.unverified.add(version)
+                ledger.synced = False
             if with_files:
                 self._files.released(version, handle.engine_id, reloads=handle.reloads)
             raise

@@ -64,6 +64,7 @@ from lorasync.errors import (
     AdapterNotFoundError,
     CapabilityError,
     ConfigError,
+    EngineError,
     EngineProtocolError,
 )
 
@@ -507,12 +508,36 @@ class VLLMEngine(HTTPEngine):
                 segment.release()
         try:
             yield from self._load(name, IPC_PREFIX + token, False)
+        except EngineError:
+            # The load may have landed before its answer was lost: the tensors go only once the
+            # name is known not to be registered on them (else it would serve nothing once evicted).
+            if (yield from self._undo_tensor_load(name, token)):
+                yield from self._rpc("lorasync_release_adapter", token, adapter=name, check=False)
+            raise
         except BaseException:
             yield from self._rpc("lorasync_release_adapter", token, adapter=name, check=False)
             raise
         # Released on unload. A restarted client cannot know the token: those tensors stay staged
         # in the workers until the engine restarts (documented in docs/engines/vllm.md).
+        earlier = self._ipc_tokens.get(name)
         self._ipc_tokens[name] = token
+        if earlier is not None and earlier != token:
+            # Kept by a failed load of this name that could not be undone; the name is registered
+            # on this load's tensors, so the earlier ones serve nothing.
+            yield from self._rpc("lorasync_release_adapter", earlier, adapter=name, check=False)
+
+    def _undo_tensor_load(self, name: str, token: str) -> Operation[bool]:
+        """After a failed tensor load: read back whether ``name`` is registered on ``token`` and
+        unload it if so. True when the staged tensors may go; False when the engine cannot tell
+        (unreachable): they stay, and an unload of ``name`` releases them."""
+        try:
+            served = yield from self._roots()
+            if served.get(name) == IPC_PREFIX + token:
+                yield from self._unload(name)
+        except EngineError:
+            self._ipc_tokens.setdefault(name, token)
+            return False
+        return True
 
     def _stage_cuda(self, name: str, token: str, adapter: Adapter, config: str) -> Operation[bool]:
         """Hand the adapter's GPU tensors to every worker through CUDA IPC; False when some
