@@ -121,8 +121,7 @@ class PublisherLife:
             ...     rollouts = sample(model=model)
         """
         self._life.check_open("lease()")
-        held = self._serving(validate_version(version))
-        self._add_pin(held)
+        held = self._hold(version)
         try:
             yield self._name_of(held)
         finally:
@@ -132,8 +131,7 @@ class PublisherLife:
     async def alease(self, version: int) -> AsyncIterator[str]:
         """Async twin of :meth:`lease`: ``async with pub.alease(step) as model: ...``."""
         self._life.check_open("pub.alease()")
-        held = self._serving(validate_version(version))
-        self._add_pin(held)
+        held = self._hold(version)
         try:
             yield self._name_of(held)
         finally:
@@ -161,6 +159,19 @@ class PublisherLife:
             self._unverified[version] = None
             while len(self._unverified) > _SERVED_AS_KEPT:
                 del self._unverified[next(iter(self._unverified))]
+
+    def _hold(self, version: int) -> int:
+        """Pin what serves ``version`` for a lease and return the version pinned (an earlier one
+        where ``version``'s publish was "unchanged"). Every lease goes through here, a Fleet
+        tenant's too, so every lease refuses what :meth:`_serving` refuses.
+
+        Raises:
+            VerificationError: ``version``'s last publish failed its verification.
+            InvalidNameError: ``version`` is not an int >= 0.
+        """
+        held = self._serving(validate_version(version))
+        self._add_pin(held)
+        return held
 
     def _serving(self, version: int) -> int:
         with self._pins_guard:
