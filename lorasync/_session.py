@@ -28,14 +28,13 @@ import threading
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
 
 from lorasync._aftercare import Aftercare
 from lorasync._lifecycle import Lifecycle, async_entry
 from lorasync._loop import LoopLock, LoopThread, held
 from lorasync._names import parse_served_name, served_name, validate_version
 from lorasync.engines._engine import Engine
-from lorasync.engines._hosts import LOCAL_HOSTS
+from lorasync.engines._hosts import server_key
 from lorasync.errors import ConfigError, LoraSyncError, VerificationError
 from lorasync.transports._store import DiskStore
 
@@ -122,8 +121,7 @@ class PublisherLife:
             ...     rollouts = sample(model=model)
         """
         self._life.check_open("lease()")
-        held = self._serving(validate_version(version))
-        self._add_pin(held)
+        held = self._hold(version)
         try:
             yield self._name_of(held)
         finally:
@@ -133,8 +131,7 @@ class PublisherLife:
     async def alease(self, version: int) -> AsyncIterator[str]:
         """Async twin of :meth:`lease`: ``async with pub.alease(step) as model: ...``."""
         self._life.check_open("pub.alease()")
-        held = self._serving(validate_version(version))
-        self._add_pin(held)
+        held = self._hold(version)
         try:
             yield self._name_of(held)
         finally:
@@ -162,6 +159,19 @@ class PublisherLife:
             self._unverified[version] = None
             while len(self._unverified) > _SERVED_AS_KEPT:
                 del self._unverified[next(iter(self._unverified))]
+
+    def _hold(self, version: int) -> int:
+        """Pin what serves ``version`` for a lease and return the version pinned (an earlier one
+        where ``version``'s publish was "unchanged"). Every lease goes through here, a Fleet
+        tenant's too, so every lease refuses what :meth:`_serving` refuses.
+
+        Raises:
+            VerificationError: ``version``'s last publish failed its verification.
+            InvalidNameError: ``version`` is not an int >= 0.
+        """
+        held = self._serving(validate_version(version))
+        self._add_pin(held)
+        return held
 
     def _serving(self, version: int) -> int:
         with self._pins_guard:
@@ -348,17 +358,7 @@ def refuse_duplicates(engines: list[Engine]) -> None:
 
 
 def _engine_key(engine: Engine) -> object:
-    url = engine.url or ""
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError:
-        return ("object", id(engine))
-    if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
-        return ("object", id(engine))  # in-process engines: two objects are two engines
-    scheme = parts.scheme.lower()
-    host = parts.hostname.lower()
-    # Every loopback name reaches the one local server on that port (issue 33 item 22: one vLLM
-    # listed as 127.0.0.1 and as localhost failed every publish with AdapterAlreadyLoadedError).
-    host = "loopback" if host in LOCAL_HOSTS else host
-    return (scheme, host, port or {"http": 80, "https": 443}[scheme], parts.path.rstrip("/"))
+    # Every spelling of one server is one engine (issue 33 item 22: one vLLM listed as 127.0.0.1
+    # and as localhost failed every publish with AdapterAlreadyLoadedError); in-process engines
+    # have no server, so two objects are two engines.
+    return server_key(engine.url or "") or ("object", id(engine))

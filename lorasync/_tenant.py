@@ -106,16 +106,19 @@ class Tenant:
         Raises:
             PublisherClosedError: the tenant is retired or retiring.
             ConfigError: no version yet (the tenant was never published).
+            VerificationError: the version's last publish failed its verification, so it is not
+                served (as ``Publisher.lease`` refuses it).
         """
-        version = self._pin_current() if version is None else self._pinned(version)
+        held = self._pin_current() if version is None else self._hold(version)
         try:
-            yield served_name(self.name, version)
+            yield served_name(self.name, held)
         finally:
-            self.unpin(version)
+            self.unpin(held)
 
-    def _pinned(self, version: int) -> int:
-        self.pin(version)
-        return version
+    def _hold(self, version: int) -> int:
+        # One path for every lease, the publisher's: it refuses a version that failed its
+        # verification (issue 33) and pins the version that serves it.
+        return self._live("lease()")._hold(version)
 
     def _pin_current(self) -> int:
         # The pin comes first, then the check: a round moves ``version`` before it retires the
@@ -126,10 +129,10 @@ class Tenant:
             if version is None:
                 self._live("lease()")
                 raise ConfigError(f"tenant {self.name!r} has no version yet: lease one after its first publish")
-            self.pin(version)
+            held = self._hold(version)
             if self.version == version:
-                return version
-            self.unpin(version)
+                return held
+            self.unpin(held)
 
     def __repr__(self) -> str:
         return f"Tenant({self.name!r}, registration={self.registration!r}, version={self.version}{', retired' if self.retired else ''})"

@@ -8,7 +8,8 @@ serves every tenant there (one slot budget, one connection per engine, restores,
 1. ``src`` broadcasts the call over ``group`` as JSON. For ``publish`` that is each tenant's
    version and which tenants changed: ``src`` remembers the content hash of each tenant's
    current version (once every node serves it), so an unchanged tenant crosses no network and
-   keeps its version. A refusal there (an unknown tenant, a missing version) is raised on every
+   keeps its version. One given a probe crosses all the same: "unchanged" counts only after the
+   probe passes, and each node's fleet runs it (as :meth:`Fleet.publish` does). A refusal there (an unknown tenant, a missing version) is raised on every
    rank before anything is sent.
 2. ``src`` broadcasts each changed adapter once within the leaders' group.
 3. Each leader runs the call on its node-local fleet. A failure becomes that node's report,
@@ -226,8 +227,13 @@ class DistributedFleet:
             error = decode_error(failed)
             report.tenants[name] = {node: TenantReport(name, "", "failed", None, error=error) for node in self.leaders}
         for name in call["sizes"]:  # remembered once every node serves it: then it need not cross again
-            if all(t.ok and t.version == call["versions"][name] for t in report.tenants.get(name, {}).values()):
+            nodes = report.tenants.get(name, {}).values()
+            if all(t.ok and t.version == call["versions"][name] for t in nodes):
                 self._hashes[name] = self._pending[name]
+            elif not all(t.ok for t in nodes):
+                # A node failed it (a probe of unchanged content, say): what it serves is no
+                # longer known here, so the next round sends it again and that node decides.
+                self._hashes.pop(name, None)
         return report
 
     def restore(self) -> DistributedFleetReport | None:
@@ -268,8 +274,10 @@ class DistributedFleet:
                     adapter = export(adapter)
                 watched = PublishDigest(adapter)
                 digest = watched.hash_now(lambda a: a.content_hash)
-                if digest == self._hashes.get(name):
+                if digest == self._hashes.get(name) and name not in probes:
                     continue  # every node serves this content: nothing crosses, the version stays
+                # Changed, or unchanged with a probe: each node's Fleet verifies an unchanged
+                # tenant given a probe at its current version before it says "unchanged".
                 payload = encode_adapter(adapter, probe=probes.get(name), device=self._device)
                 if (torn := watched.changed()) is not None:
                     raise watched.error(torn, "while they were serialised for the other nodes")

@@ -22,7 +22,9 @@ and a notebook keeps the traceback (so the trainer and its callbacks) alive. ``t
 its caller's thread until it returns or raises, so a callback whose training began on this thread
 and never ended is left over from a failed ``train()``: the next ``on_train_begin`` there (the
 same callback's or a new one's) closes its publisher first, and a rerun with the same ``run=``
-takes the run over. To release it at once, wrap ``trainer.train()`` in the ``with`` form, or call
+takes the run over. One ``train()`` hands one fresh ``TrainerState`` to every callback, so
+callbacks that began with the same state are siblings in one trainer (one per engine group), not
+left over. To release it at once, wrap ``trainer.train()`` in the ``with`` form, or call
 ``close()`` in your ``except``/``finally``.
 """
 
@@ -34,7 +36,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from transformers import TrainerCallback
@@ -180,8 +182,8 @@ class LoraSyncCallback(TrainerCallback):
     # -- TrainerCallback events --------------------------------------------------------------
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        _close_left_over(self._owned)
-        self._owned.training_on = threading.get_ident()
+        _close_left_over(self._owned, state)
+        self._owned.began(state)
         if self.publisher is None and state.is_world_process_zero:
             # Made here, not in __init__: only process zero talks to engines. A train() that
             # raised earlier left its publisher open: a second train() goes on with it.
@@ -299,9 +301,28 @@ class _Owned:
         self.publisher = given
         self._given = given
         self.training_on: int | None = None  # the thread whose train() began and did not end yet
+        # The TrainerState that train() passed (weakly where it can be): it tells a sibling
+        # callback of the same train() from one a failed, earlier train() left over.
+        self._state: Callable[[], Any] | None = None
+
+    def began(self, state: Any) -> None:
+        """Mark this callback's training as begun on this thread, by the ``train()`` of ``state``."""
+        self.training_on = threading.get_ident()
+        try:
+            self._state = weakref.ref(state)
+        except TypeError:  # a state that takes no weak reference: held until training ends
+            self._state = lambda: state
+
+    def left_over_by(self, state: Any) -> bool:
+        """Whether this callback began training on this thread in a ``train()`` other than the
+        one ``state`` belongs to (and never ended it: that ``train()`` raised)."""
+        if self.training_on != threading.get_ident():
+            return False
+        return self._state is None or self._state() is not state
 
     def close(self) -> None:
         self.training_on = None
+        self._state = None
         publisher = self.publisher
         if publisher is None or publisher is self._given:
             return
@@ -325,16 +346,17 @@ class _Owned:
 _ALL: weakref.WeakSet[_Owned] = weakref.WeakSet()
 
 
-def _close_left_over(beginning: _Owned) -> None:
+def _close_left_over(beginning: _Owned, state: Any) -> None:
     """Close the publishers of callbacks whose ``train()`` began on this thread and never ended.
 
     ``train()`` runs on its caller's thread until it returns or raises, and one that returns
     called ``on_train_end`` (which closed its publisher): so on this thread, a callback still
-    marked as training while another ``train()`` begins belongs to one that raised.
+    marked as training while another ``train()`` begins belongs to one that raised. Another
+    ``train()``: one whose ``state`` differs; callbacks that began with this ``state`` are the
+    beginning callback's siblings in the same trainer.
     """
-    here = threading.get_ident()
     for owned in list(_ALL):
-        if owned is not beginning and owned.training_on == here:
+        if owned is not beginning and owned.left_over_by(state):
             owned.close_quietly()
 
 

@@ -87,3 +87,38 @@ def run_undecodable(rank: int, world: int, port: int, out: str) -> None:
             json.dump(outcome, fh)
         fleet.close()
         _finish(dist)
+
+
+def run_unchanged_with_probe(rank: int, world: int, port: int, out: str, base: str) -> None:
+    """2 nodes of one rank each (PEFT engines): tenant a's content at v1, then the same content
+    as v2 with a probe its adapter fails, then as v3 with one it passes. "unchanged" counts only
+    after the probe passes, as in a plain Fleet (before, the unchanged tenant was skipped by its
+    hash on src and its probe never ran)."""
+    os.environ["LOCAL_WORLD_SIZE"] = "1"
+    os.environ["LOCAL_RANK"] = "0"
+    os.environ["GROUP_RANK"] = str(rank)
+    with _reported_errors(out, rank):
+        dist = _init(rank, world, port)
+        from lorasync import Probe
+        from lorasync.distributed import DistributedFleet
+        from lorasync.engines.peft import PeftEngine
+        from lorasync.exporters.fsdp import export
+        from lorasync.testing import make_peft_model, make_tiny_model
+
+        model = make_peft_model(make_tiny_model(), r=8, alpha=16, seed=1, std=0.05)
+        good = Probe.from_model(model, [5, 17, 99, 230], max_tokens=4)
+        bad = Probe(good.prompt_ids, tuple((t + 1) % 500 + 4 for t in good.expected_ids))  # tokens the adapter never produces
+        engine = PeftEngine(base_model_path=base, max_loras=3)
+        fleet = DistributedFleet(engines=[engine], root=os.path.join(out, f"root{rank}"), timeout=datetime.timedelta(seconds=60))
+        fleet.register("a", keep=1)
+        outcome = {}
+        for tag, version, probe in (("first", 1, None), ("bad", 2, bad), ("good", 3, good)):
+            report = fleet.publish({"a": export(model, copy=True)} if rank == 0 else None, versions={"a": version} if rank == 0 else None,
+                                   verify=None if rank != 0 or probe is None else {"a": probe})  # fmt: skip
+            if report is not None:
+                outcome[tag] = {node: [t.status, t.version, type(t.error).__name__ if t.error else None] for node, t in report.tenants["a"].items()}
+            outcome[f"{tag}-served"] = sorted(engine.list_adapters())
+        with open(os.path.join(out, f"outcome-{rank}.json"), "w") as fh:
+            json.dump(outcome, fh)
+        fleet.close()
+        _finish(dist)

@@ -36,3 +36,18 @@ def test_a_leader_that_cannot_decode_a_tenant_fails_it_there_alone_and_stays_in_
     assert src["next"]["report"] == {"a/0": ["unchanged", None], "a/1": ["loaded", None], "b/0": ["unchanged", None], "b/1": ["unchanged", None]}
     assert src["served"] == ["a@v1", "b@v1"] and other["served"] == ["a@v2", "b@v1"]
     assert all(o[tag]["seconds"] < 15 for o in (src, other) for tag in ("first", "next"))
+
+
+def test_an_unchanged_tenant_given_a_probe_is_unchanged_only_once_the_probe_passes(tmp_path, spawn_ranks, tiny_model_dir):
+    """Issue 33's "unchanged needs a pass with a probe", as the plain Fleet does: a tenant whose
+    content did not change but comes with a probe is verified on every node. Before, src skipped it
+    by its remembered hash and every node reported it "unchanged" without running the probe."""
+    from _dist_fleet_attack_worker import run_unchanged_with_probe
+
+    spawn_ranks(run_unchanged_with_probe, (str(tmp_path), str(tiny_model_dir)), nprocs=2, out=tmp_path, deadline_s=DEADLINE_S)
+    src, other = (json.loads((tmp_path / f"outcome-{rank}.json").read_text()) for rank in range(2))
+    assert src["first"] == {"0": ["loaded", 1, None], "1": ["loaded", 1, None]}
+    assert src["bad"] == {"0": ["failed", 1, "VerificationError"], "1": ["failed", 1, "VerificationError"]}
+    assert src["good"] == {"0": ["unchanged", 1, None], "1": ["unchanged", 1, None]}
+    for outcome in (src, other):
+        assert outcome["first-served"] == outcome["bad-served"] == outcome["good-served"] == ["a@v1"]  # v1 serves throughout

@@ -305,6 +305,29 @@ def test_concurrent_loads_take_turns_for_the_one_session(peer: Peer, dirs: dict[
     assert _session_closed(peer.url)
 
 
+def test_concurrent_loads_through_two_spellings_of_one_server_take_turns(peer: Peer, dirs: dict[int, Path], tiny_model_dir: Path) -> None:
+    """Two clients of one server written ``http://127.0.0.1:P`` and ``http://localhost:P/`` (two
+    publishers of one job, say) share its one session: four loads at once all succeed, each
+    serving its own weights (they were two gates, and a streamed load failed with "a
+    weight-update session is already open")."""
+    port = peer.url.rsplit(":", 1)[1]
+    seeds = {f"t{i}@v1": 11 + i % 2 for i in range(4)}
+
+    async def run() -> None:
+        async with SGLangEngine(f"http://127.0.0.1:{port}") as one, SGLangEngine(f"http://localhost:{port}/") as two:
+            clients = [one, two]
+            await asyncio.gather(
+                *(clients[i % 2].aload_adapter_tensors(name, Adapter.load(dirs[seed])) for i, (name, seed) in enumerate(seeds.items()))
+            )
+
+    asyncio.run(run())
+    with SGLangEngine(peer.url) as client:
+        assert client.list_adapters() == sorted(seeds)
+        for name, seed in seeds.items():
+            assert list(client.generate(PROMPT, lora_name=name, max_new_tokens=4).output_ids) == _reference(tiny_model_dir, dirs[seed])[0]
+    assert _session_closed(peer.url)
+
+
 def test_loading_a_served_name_again_is_refused_and_keeps_it_serving(engine: SGLangEngine, dirs: dict[int, Path], tiny_model_dir: Path) -> None:
     engine.load_adapter_tensors("s@v1", Adapter.load(dirs[11]))
     with pytest.raises(AdapterAlreadyLoadedError):

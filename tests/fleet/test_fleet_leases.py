@@ -99,19 +99,20 @@ def test_lease_without_a_version_pins_the_current_one_even_when_a_round_moves_it
             fleet.publish({"a": tiny_llama_adapter(seed=version)}, versions={"a": version}).raise_for_errors()
         with tenant.lease() as name:
             assert name == "a@v2" and tenant.publisher.pinned == {2}
-        real_pin, moved = tenant.pin, []
+        real_hold, moved = tenant._hold, []
 
-        def pin(version):  # a round's _serves lands right after this pin
-            real_pin(version)
+        def hold(version):  # a round's _serves lands right after this pin (the lease's pin: Tenant._hold)
+            held = real_hold(version)
             if not moved:
                 moved.append(version)
                 tenant.version = 3
+            return held
 
-        tenant.pin = pin
+        tenant._hold = hold
         with tenant.lease() as name:
             assert moved == [2] and name == "a@v3" and tenant.publisher.pinned == {3}
         assert tenant.publisher.pinned == frozenset()
-        del tenant.pin
+        del tenant._hold
         tenant.version = 2
         fleet.retire("a")
         with pytest.raises(PublisherClosedError):

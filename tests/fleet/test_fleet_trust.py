@@ -149,6 +149,35 @@ def test_a_version_that_failed_verification_is_never_restored_unverified(tiny_mo
     other.close()
 
 
+def test_a_tenant_lease_refuses_a_version_that_failed_verification_as_the_publisher_does(tiny_model_dir, tmp_path):
+    """Issue 33 ("lease refuses unverified versions") through the Fleet: tenant a's v2 fails its probe
+    and is withdrawn, the engine keeps serving v1. tenant.lease(2) pinned it and yielded "a@v2", a
+    name the engine does not serve (the rollouts failed against the engine, not at the lease)."""
+    v1, v2 = trainer(tiny_model_dir, seed=1), trainer(tiny_model_dir, seed=2)
+    good = Probe.from_model(v2, PROMPT, max_tokens=4)
+    bad = Probe(good.prompt_ids, tuple((t + 1) % 500 + 4 for t in good.expected_ids))  # tokens v2 never produces
+    engine = PeftEngine(base_model_path=tiny_model_dir)
+    with Fleet([engine], root=tmp_path) as fleet:
+        fleet.register("a")
+        assert fleet.publish({"a": export(v1, copy=True)}, versions={"a": 1})["a"].ok
+        report = fleet.publish({"a": export(v2, copy=True)}, versions={"a": 2}, verify={"a": bad})
+        assert report["a"].status == "failed" and isinstance(report["a"].error, VerificationError)
+        tenant = fleet.tenants["a"]
+        assert engine.list_adapters() == ["a@v1"] and tenant.version == 1
+        with pytest.raises(VerificationError, match="did not pass its verification"):
+            with tenant.lease(2):
+                pass
+        assert 2 not in tenant.publisher.pinned  # nothing left pinned by the refused lease
+        for lease in (tenant.lease(), tenant.lease(1)):  # what serves is leased as before
+            with lease as name:
+                assert name == "a@v1" and name in engine.list_adapters() and tenant.publisher.pinned == {1}
+        # Published again and verified, v2 is leased.
+        assert fleet.publish({"a": export(v2, copy=True)}, versions={"a": 2}, verify={"a": good})["a"].ok
+        with tenant.lease(2) as name:
+            assert name == "a@v2" and name in engine.list_adapters()
+    engine.close()
+
+
 # -- item 6: one Probe for the whole round ---------------------------------------------------------
 
 

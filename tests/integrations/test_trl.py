@@ -400,3 +400,20 @@ def test_a_rerun_after_a_failed_sft_train_takes_the_same_run_over(tiny_model_dir
     assert second.publisher is None
     assert [t for t in _lorasync_threads(before) if t.startswith("lorasync")] == []  # TRL may start a telemetry thread
     engine.close()
+
+
+def test_two_callbacks_in_one_sft_trainer_each_publish_every_step(tiny_model_dir: Path, tmp_path: Path) -> None:
+    # 090ffbd's left-over check (a callback training on this thread while a train() begins) took
+    # the first of two callbacks in ONE trainer (one per engine group) for a failed train()'s: the
+    # second's on_train_begin closed its publisher, and it published nothing, silently, all run.
+    # One train() passes one TrainerState to every callback; only another one's is left over.
+    engines = [connect("peft", base_model_path=tiny_model_dir) for _ in range(2)]
+    callbacks = [LoraSyncCallback([e], name="policy", root=tmp_path / f"store-{i}", keep=4) for i, e in enumerate(engines)]
+    witnesses = [_Witness(e, _peft_serve) for e in engines]
+    trainer = _sft(tiny_model_dir, tmp_path, [*callbacks, *witnesses])
+    trainer.train()
+    for callback, witness, engine in zip(callbacks, witnesses, engines):
+        assert [r.version for r in callback.reports] == [1, 2, 3] and all(r.ok for r in callback.reports), [str(r) for r in callback.reports]
+        _assert_served_as_trained(witness, _peft_adapter_tensors(engine), 3)
+        assert callback.publisher is None  # closed by on_train_end
+        engine.close()

@@ -4,8 +4,9 @@ SGLang 0.5.23 and main keep one ``/begin_weight_update`` ... ``/end_weight_updat
 server: a second ``begin`` is refused ("a weight-update session is already open"). lorasync opens
 sessions for streamed adapter loads (SGLang main) and merged weight updates, and callers run
 those concurrently (a Fleet loads every changed tenant at once; several publishers may share a
-server). :class:`SessionGate` serialises them inside this process: one gate per server URL,
-shared by every client of that URL, whichever thread or event loop drives it.
+server). :class:`SessionGate` serialises them inside this process: one gate per server, shared
+by every client of it however its URL is spelled (``127.0.0.1``, ``localhost``, a trailing
+slash: :func:`~lorasync.engines._hosts.server_key`), whichever thread or event loop drives it.
 
 Within one event loop the waiters queue on an ``asyncio.Lock`` (first come, first served, no
 polling); across threads and loops one ``threading.Lock`` decides, polled without blocking the
@@ -19,6 +20,8 @@ import threading
 import weakref
 from typing import ClassVar
 
+from lorasync.engines._hosts import server_key
+
 __all__ = ["SessionGate"]
 
 
@@ -29,7 +32,7 @@ class SessionGate:
     coroutine, :meth:`acquire_sync`/:meth:`release` from a thread that runs no event loop.
     """
 
-    _gates: ClassVar[dict[str, SessionGate]] = {}
+    _gates: ClassVar[dict[object, SessionGate]] = {}
     _gates_lock: ClassVar[threading.Lock] = threading.Lock()
 
     def __init__(self, url: str) -> None:
@@ -41,12 +44,20 @@ class SessionGate:
 
     @classmethod
     def for_url(cls, url: str) -> SessionGate:
-        """The process-wide gate of the server at ``url``."""
-        key = url.rstrip("/")
+        """The process-wide gate of the server at ``url``.
+
+        Args:
+            url (`str`): the server's URL, in any spelling.
+
+        Returns:
+            `SessionGate`: the one gate of that server in this process.
+        """
+        # Keyed by the server, not the string: two spellings of one server are one session.
+        key = server_key(url) or url.rstrip("/")
         with cls._gates_lock:
             gate = cls._gates.get(key)
             if gate is None:
-                gate = cls._gates[key] = cls(key)
+                gate = cls._gates[key] = cls(url.rstrip("/"))
             return gate
 
     def __reduce__(self) -> tuple[object, tuple[str]]:
