@@ -32,7 +32,7 @@ from lorasync._names import parse_served_name, served_name
 from lorasync._probe import Probe, run_probe
 from lorasync._retention import LEARN, Ledger, Retention, RetentionWarning, plan
 from lorasync.engines._engine import Capabilities, Engine, is_in_process_id
-from lorasync.errors import AdapterNotFoundError, EngineError, StaleVersionError, VerificationError
+from lorasync.errors import AdapterNotFoundError, EngineError, EngineUnavailableError, StaleVersionError, VerificationError
 from lorasync.transports._transport import Transport
 from lorasync.transports.inplace import InPlaceTransport
 from lorasync.transports._snapshot import OwnedAdapter, owned_copy
@@ -294,13 +294,14 @@ class EngineHandle:
             if not transport.versioned:
                 ledger.in_place = ledger.in_place_source = ledger.merged = None
             ledger.synced = False
-            raise VerificationError(
+            message = (
                 f"{self.where}: {self.name} v{version} did not pass its verification and taking it out of service failed "
-                f"too ({type(exc).__name__}: {exc}); it may still serve, unverified: it is withdrawn again before the next load",
-                engine=self.engine.kind,
-                url=self.engine.url,
-                adapter=self.name,
-            ) from exc
+                f"too ({type(exc).__name__}: {exc}); it may still serve, unverified: it is withdrawn again before the next load"
+            )
+            # An engine that cannot be reached (killed, restarting) is what the caller must act
+            # on: the error says so by its type, with the verification story in its message.
+            kind = EngineUnavailableError if isinstance(exc, EngineUnavailableError) else VerificationError
+            raise kind(message, engine=self.engine.kind, url=self.engine.url, adapter=self.name) from exc
 
     async def withdraw_unverified(self, ledger: Ledger) -> None:
         """Unload what a failed withdrawal left loaded, unverified (before anything new loads)."""
