@@ -32,7 +32,7 @@ from lorasync._names import parse_served_name, served_name
 from lorasync._probe import Probe, run_probe
 from lorasync._retention import LEARN, Ledger, Retention, RetentionWarning, plan
 from lorasync.engines._engine import Capabilities, Engine, is_in_process_id
-from lorasync.errors import AdapterNotFoundError, EngineError, EngineUnavailableError, StaleVersionError, VerificationError
+from lorasync.errors import AdapterNotFoundError, EngineError, EngineUnavailableError, StaleVersionError, UnverifiedUnreachableError, VerificationError
 from lorasync.transports._transport import Transport
 from lorasync.transports.inplace import InPlaceTransport
 from lorasync.transports._snapshot import OwnedAdapter, owned_copy
@@ -300,7 +300,7 @@ class EngineHandle:
             )
             # An engine that cannot be reached (killed, restarting) is what the caller must act
             # on: the error says so by its type, with the verification story in its message.
-            kind = EngineUnavailableError if isinstance(exc, EngineUnavailableError) else VerificationError
+            kind = UnverifiedUnreachableError if isinstance(exc, EngineUnavailableError) else VerificationError
             raise kind(message, engine=self.engine.kind, url=self.engine.url, adapter=self.name) from exc
 
     async def withdraw_unverified(self, ledger: Ledger) -> None:

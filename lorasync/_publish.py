@@ -281,8 +281,7 @@ class Publisher(PublisherLife):
         settle = None
         handle, ledger = self._handles[id(engine)], self._ledgers[id(engine)]
         try:
-            # A cancel here leaves the engine call in flight running in its thread: the handle
-            # remembers it, and the next publish waits for it (bounded) and undoes what it loaded.
+            # A cancelled engine call runs on in its thread: the next publish waits (bounded), then undoes it.
             with handle.cancelled.watch(ledger, version):
                 await handle.cancelled.reconcile(ledger)
                 settle = await self._publish_one(engine, ledger, result, adapter, version, digest, probe, reuse=reuse, restore=restore)

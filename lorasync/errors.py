@@ -52,6 +52,7 @@ Every message says what to do next.
     └── PublishError                         publisher-level refusals
         ├── StaleVersionError                an older version would replace a newer one
         ├── VerificationError                the engine does not reproduce the trainer's probe
+        │   └── UnverifiedUnreachableError (EngineUnavailableError)  failed, and unreachable to withdraw it
         └── AdapterChangedError              the trainer changed the tensors while the publish read them
 
 Warnings derive from ``LoraSyncWarning`` (a ``UserWarning``), never from ``LoraSyncError``:
@@ -112,6 +113,7 @@ __all__ = [
     "UnknownModuleError",
     "UnsupportedDtypeError",
     "UnsupportedEngineVersionError",
+    "UnverifiedUnreachableError",
     "VerificationError",
     "WireFormatError",
 ]
@@ -371,6 +373,13 @@ class StaleVersionError(PublishError):
 
 class VerificationError(PublishError):
     """The engine's output for the probe differs from the trainer's reference."""
+
+
+class UnverifiedUnreachableError(VerificationError, EngineUnavailableError):
+    """A version did not pass its verification and could not be taken out of service because the
+    engine cannot be reached (killed, restarting): it may still serve, unverified, and is
+    withdrawn before the next load. Both a VerificationError and an EngineUnavailableError, so
+    either handler sees it: restart or wait for the engine, then publish again."""
 
 
 class AdapterChangedError(PublishError):
