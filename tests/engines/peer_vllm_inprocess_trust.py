@@ -23,7 +23,7 @@ import pytest
 from lorasync import Adapter, Probe, Publisher, RetentionWarning
 from lorasync.engines.vllm._protocol import IPC_PREFIX, WORKER_EXTENSION
 from lorasync.engines.vllm.inprocess import VLLMInProcessEngine
-from lorasync.errors import AdapterNotFoundError, AdapterRejectedError, ConfigError
+from lorasync.errors import VerificationError, AdapterNotFoundError, AdapterRejectedError, ConfigError
 from tests.engines._inproc_host import connect_to, hosted
 
 DATA: dict[str, Any] = json.loads(Path(os.environ["LORASYNC_INPROC_DATA"]).read_text()) if os.environ.get("LORASYNC_INPROC_DATA") else {}
@@ -222,8 +222,12 @@ def test_verify_while_another_thread_generates_is_refused(host: Any, engine: VLL
     with Publisher(engine, name="verified", root=tmp_path / "store") as publisher:
         report = publisher.publish(Adapter.load(DATA["adapters"][0]), version=1, verify=probe)
         assert not done.is_set(), "the rollout finished before the verification; the scenario proved nothing"
-        # The rollout was still decoding: lorasync must not step the LLM under it.
-        assert isinstance(report.results[0].error, ConfigError) and "engine.lock" in str(report.results[0].error)
+        # The rollout was still decoding: lorasync must not step the LLM under it. The probe could
+        # not run, so the version failed verification (issue 33: only a pass counts) and was taken
+        # out; why, and the fix, travel as the typed cause and in the message.
+        error = report.results[0].error
+        assert isinstance(error, VerificationError) and isinstance(error.__cause__, ConfigError), repr(error)
+        assert "engine.lock" in str(error) and "verified@v1" not in engine.list_adapters()
         thread.join(timeout=300)
         # Holding engine.lock around the caller's generate serialises verification with it.
         with engine.lock:
