@@ -5,7 +5,8 @@ The day it drives: tenants are registered, published in rounds (a no-copy export
 trainer, sometimes while the trainer's optimizer steps in another thread: ``concurrent``),
 verified with probes that pass, mismatch (another model's tokens) or error (the engine is busy
 and its generate call fails), retired and registered again; the engine "restarts" (every adapter
-gone) and a restore round follows.
+gone) and a restore round follows; a second engine is added to the running fleet (each tenant's
+current version restored onto it, then managed there by every later round).
 
 Invariants, after every call and for every tenant:
 
@@ -15,8 +16,8 @@ Invariants, after every call and for every tenant:
 * **nothing unverified is reported served**: with a probe, a tenant is reported ``loaded`` only
   when every engine verified it; a probe that mismatches or errors leaves it ``failed`` and its
   new version served nowhere;
-* a tenant's current version (``tenant.served_name``) is what the engine serves for it, with the
-  tenant's hash, after every round;
+* a tenant's current version (``tenant.served_name``) is what every engine that lists it serves
+  for it, with the tenant's hash, after every round;
 * **no call hangs**: every call runs under a deadline.
 
 To add a rule: write a ``@rule`` that drives ``self.fleet`` through :meth:`FleetMachine.call` and
@@ -88,6 +89,7 @@ class FleetMachine(RuleBasedStateMachine):
         super().__init__()
         self.root = Path(tempfile.mkdtemp(prefix="lorasync-fleet-machine-"))
         self.engine = BusyEngine(base_model_path=_base_dir())
+        self.engines: list[BusyEngine] = [self.engine]  # the first, and one added while running
         self.fleet = Fleet([self.engine], root=self.root)
         self.versions = dict.fromkeys(NAMES, 0)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="fleet-machine-call")
@@ -98,7 +100,8 @@ class FleetMachine(RuleBasedStateMachine):
             self.call(self.fleet.close)
         finally:
             self._pool.shutdown(wait=False)
-            self.engine.close()
+            for engine in self.engines:
+                engine.close()
             shutil.rmtree(self.root, ignore_errors=True)
 
     def call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -106,9 +109,10 @@ class FleetMachine(RuleBasedStateMachine):
 
     # -- checks ---------------------------------------------------------------------------------------
 
-    def serves_one_state(self, name: str, served: str, digest: str | None) -> None:
-        assert served in self.engine.list_adapters(), f"{served} is reported served but the engine does not list it"
-        got = served_lora(self.engine, served)
+    def serves_one_state(self, name: str, served: str, digest: str | None, engine: BusyEngine | None = None) -> None:
+        engine = engine or self.engine
+        assert served in engine.list_adapters(), f"{served} is reported served but the engine does not list it"
+        got = served_lora(engine, served)
         t = _trainer(name)
         assert any(same(got, s) for s in t.seen), f"{served} serves no single state of {name}'s trainer (a mix of two steps)"
         if digest is not None:
@@ -117,7 +121,11 @@ class FleetMachine(RuleBasedStateMachine):
     def check(self, report: Any, probes: dict[str, str]) -> None:
         for name, t in report.tenants.items():
             if t.status in ("loaded", "unchanged", "restored"):
-                self.serves_one_state(name, t.served_name, t.publish.content_hash if t.publish is not None else None)
+                digest = t.publish.content_hash if t.publish is not None else None
+                everywhere = all(r.ok for r in t.results)  # then every engine lists it; else those that do
+                for engine in self.engines:
+                    if everywhere or t.served_name in engine.list_adapters():
+                        self.serves_one_state(name, t.served_name, digest, engine)
             if t.status == "loaded" and probes.get(name):
                 assert all("verified through the engine" in r.reason for r in t.results if r.status == "loaded"), t
             if probes.get(name) in ("mismatch", "error"):
@@ -126,13 +134,15 @@ class FleetMachine(RuleBasedStateMachine):
             if t.status == "failed" and (probes.get(name) or isinstance(t.error, (VerificationError, AdapterChangedError))):
                 new = f"{name}@v{self.versions[name]}"
                 if new != t.served_name:
-                    assert new not in self.engine.list_adapters(), f"{new} failed ({type(t.error).__name__}) but serves"
+                    for engine in self.engines:
+                        assert new not in engine.list_adapters(), f"{new} failed ({type(t.error).__name__}) but serves"
 
     @invariant()
     def current_versions_serve_their_hash(self) -> None:
         for name, tenant in list(self.fleet.tenants.items()):
-            if tenant.version is not None and tenant.served_name in self.engine.list_adapters():
-                self.serves_one_state(name, tenant.served_name, tenant.content_hash)
+            for engine in self.engines:
+                if tenant.version is not None and tenant.served_name in engine.list_adapters():
+                    self.serves_one_state(name, tenant.served_name, tenant.content_hash, engine)
 
     # -- rules ----------------------------------------------------------------------------------------
 
@@ -166,8 +176,10 @@ class FleetMachine(RuleBasedStateMachine):
                 probes[n] = Probe.from_model(_trainer(n).model, PROMPT, max_tokens=2)
             elif kind == "mismatch":
                 probes[n] = Probe.from_model(self.other, PROMPT, max_tokens=2)
-        self.engine.busy = any(k == "error" for k in kinds.values())
-        if self.engine.busy:  # one busy engine fails every probe of the round
+        busy = any(k == "error" for k in kinds.values())
+        for engine in self.engines:
+            engine.busy = busy
+        if busy:  # busy engines fail every probe of the round
             kinds = {n: ("error" if k else "") for n, k in kinds.items()}
         stop = threading.Event()
         steppers = [threading.Thread(target=self._keep_stepping, args=(n, stop), daemon=True) for n in names] if concurrent else []
@@ -179,7 +191,8 @@ class FleetMachine(RuleBasedStateMachine):
             stop.set()
             for s in steppers:
                 s.join()
-            self.engine.busy = False
+            for engine in self.engines:
+                engine.busy = False
         if concurrent:  # a pass probe was recorded before the steps: it may rightly mismatch now
             kinds = {n: ("" if k == "pass" else k) for n, k in kinds.items()}
         self.check(report, kinds)
@@ -187,13 +200,24 @@ class FleetMachine(RuleBasedStateMachine):
     @precondition(lambda self: bool(self.fleet.tenants))  # not on versions: whether a round served is not drawn data
     @rule()
     def restart_engine_and_restore(self) -> None:
-        for served in self.engine.list_adapters():
+        for served in self.engine.list_adapters():  # the first engine restarts: every adapter gone
             self.engine.unload_adapter(served)
         report = self.call(self.fleet.restore)
         self.check(report, {})
         for name, tenant in self.fleet.tenants.items():
             if tenant.version is not None and report.tenants.get(name) is not None and report[name].ok:
                 assert tenant.served_name in self.engine.list_adapters()
+
+    @precondition(lambda self: len(self.engines) == 1)
+    @rule()
+    def add_engine(self) -> None:
+        added = BusyEngine(base_model_path=_base_dir())
+        report = self.call(self.fleet.add_engine, added)
+        self.engines.append(added)
+        for name, t in report.tenants.items():
+            if t.ok and self.fleet.tenants[name].version is not None:
+                # Restored there from lorasync's own copy: exactly the tenant's current bytes.
+                self.serves_one_state(name, self.fleet.tenants[name].served_name, self.fleet.tenants[name].content_hash, added)
 
     def _keep_stepping(self, name: str, stop: threading.Event) -> None:
         t = _trainer(name)
