@@ -158,15 +158,15 @@ class _Watch:
     def __init__(self, adapter: Adapter) -> None:
         watch_optimizer_steps()
         self._tensors = list(adapter.tensors.values())
-        self._versions = [_version(t) for t in self._tensors]
+        self._versions = _versions(self._tensors)
         with _STEPS.lock:
             self._seq = _STEPS.seq
             self._running = _STEPS.still_running()  # optimizers mid-step right now
 
     def changed(self) -> str | None:
-        for tensor, before in zip(self._tensors, self._versions):
-            if before is not None and _version(tensor) != before:
-                return "an in-place write to them"
+        now = _versions(self._tensors)
+        if now != self._versions and any(b is not None and a != b for a, b in zip(now, self._versions)):
+            return "an in-place write to them"
         with _STEPS.lock:
             seq = _STEPS.seq
             began = [ref for n, ref in _STEPS.log if n > self._seq]
@@ -178,6 +178,16 @@ class _Watch:
             if _shares_storage(optimizer, self._tensors):
                 return f"a step of {type(optimizer).__name__} over them"
         return "more optimizer steps than lorasync keeps track of" if lost else None
+
+
+def _versions(tensors: list[torch.Tensor]) -> list[int | None]:
+    """Every tensor's version counter, None for those without one. A Fleet round reads these for
+    every tensor of every tenant twice (``bench fleet``: 16 x 392 tensors); the plain comprehension
+    costs a third of the per-tensor call with its ``try`` (~40 against ~140 us a tenant)."""
+    try:
+        return [t._version for t in tensors]
+    except RuntimeError:  # an inference-mode tensor among them has no version counter
+        return [_version(t) for t in tensors]
 
 
 def _version(tensor: torch.Tensor) -> int | None:

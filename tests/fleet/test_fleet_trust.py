@@ -70,10 +70,12 @@ def test_a_step_landing_in_the_rounds_copy_is_refused_not_served(tiny_model_dir,
     engine.close()
 
 
-def test_rounds_beside_a_running_optimizer_serve_one_step_or_fail(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("transport", [None, "disk"], ids=["tensors", "files"])
+def test_rounds_beside_a_running_optimizer_serve_one_step_or_fail(tiny_model_dir, tmp_path, transport):
     """A trainer thread steps AdamW over the LoRA tensors continuously while rounds publish a
     no-copy export: every round reported loaded serves exactly the weights of one step, with the
-    hash of exactly those weights."""
+    hash of exactly those weights. With files (the engine loads what the disk transport wrote)
+    the round's unchanged check reads under no watch: the publish's own write pass does."""
     model = trainer(tiny_model_dir, seed=2)
     optimizer = torch.optim.AdamW(lora_params(model), lr=0.05, foreach=True)
     engine = PeftEngine(base_model_path=tiny_model_dir)
@@ -89,7 +91,7 @@ def test_rounds_beside_a_running_optimizer_serve_one_step_or_fail(tiny_model_dir
             time.sleep(0.0005)
 
     loaded = 0
-    with Fleet([engine], root=tmp_path) as fleet:
+    with Fleet([engine], root=tmp_path, **({"transport": transport} if transport else {})) as fleet:
         fleet.register("a", keep=1, grace=0.0)
         thread = threading.Thread(target=train, daemon=True)
         thread.start()
@@ -102,6 +104,7 @@ def test_rounds_beside_a_running_optimizer_serve_one_step_or_fail(tiny_model_dir
                     got = served_lora(engine, tenant.served_name)
                     assert any(same(got, s) for s in list(seen)), f"round {version}: {tenant.served_name} serves a mix of two optimizer steps"
                     assert tenant.publish.content_hash == content_hash(got, model)
+                    assert tenant.publish.results[0].transport == (transport or "ipc"), tenant.publish.results[0]
                 else:
                     assert tenant.status in ("failed", "unchanged"), tenant
                     if tenant.status == "failed":
@@ -109,6 +112,10 @@ def test_rounds_beside_a_running_optimizer_serve_one_step_or_fail(tiny_model_dir
         finally:
             stop.set()
             thread.join()
+        # The trainer stopped: the next round serves exactly its weights (rounds beside a step
+        # that fail are refusals, not a Fleet that can no longer publish).
+        final = fleet.publish({"a": export(model)}, versions={"a": 13})["a"]
+        assert final.status == "loaded" and same(served_lora(engine, final.served_name), state(model)), final
     engine.close()
 
 
