@@ -41,6 +41,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Awaitable, Callable
+from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from lorasync.errors import AdapterChangedError
@@ -237,12 +238,27 @@ class _StepLog:
             return []
         stacks = sys._current_frames()
         for key, (_, thread, frame) in list(self.running.items()):
-            top = stacks.get(thread)
-            while top is not None and top is not frame:
-                top = top.f_back
-            if top is None:
+            if not _on_stack(frame, stacks.get(thread)):
                 del self.running[key]
         return [ref for ref, _, _ in self.running.values()]
+
+
+def _on_stack(frame: Any, top: Any) -> bool:
+    """Whether ``frame`` is on the stack that ``top`` heads (another thread's, which runs on
+    between the hops of this walk). CPython 3.11 has been seen here to hand back a function, not a
+    frame, from ``f_back`` of such a stack (the CI run of issue 33's Fleet test beside a running
+    optimizer): a walk that cannot be read counts as "still running", so the publish refuses as
+    torn, never serves on a guess; the next publish walks again."""
+    try:
+        while top is not None:
+            if top is frame:
+                return True
+            if not isinstance(top, FrameType):
+                return True
+            top = top.f_back
+    except Exception:  # noqa: BLE001 - an unreadable stack is a step that may be running
+        return True
+    return False
 
 
 _STEPS = _StepLog()
