@@ -49,6 +49,19 @@ def _poll(check: Any, timeout: float = 60.0) -> bool:
     return bool(check())
 
 
+def _admitted(url: str) -> int:
+    """Requests the engine core holds (running + waiting), from vLLM's ``/metrics``. A request
+    the API server still tokenises or queues is in neither, nor in the LoRA gauge retirement
+    reads: the scenario waits until every v1 request is in the engine before it publishes, so
+    "a v1 thread still runs" means "the engine knew of a v1 request" (a CI run on a loaded box
+    published while one was still outside the engine and counted its retirement a violation)."""
+    total = 0.0
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")):
+            total += float(line.rsplit(" ", 1)[1])
+    return int(total)
+
+
 def run_vllm_inflight(model_dir: Path, python: Path, work: Path) -> dict[str, Any]:
     """Start a one-slot vLLM, publish v1, v2, v3 with requests in flight; count what was lost.
 
@@ -103,6 +116,8 @@ def run_vllm_inflight(model_dir: Path, python: Path, work: Path) -> dict[str, An
             thread.start()
         if not _poll(lambda: "policy@v1" in (engine.adapters_in_use() or ())):
             violations.append("the engine never reported the v1 requests in flight")
+        if not _poll(lambda: _admitted(server.url) + sum(tag.startswith("v1-") for tag in list(outcomes)) >= V1_REQUESTS):
+            violations.append(f"the engine never held all {V1_REQUESTS} v1 requests (running + waiting)")
         mark("v1 requests decoding")
         report2 = pub.publish(export(models[2]), version=2).settled()  # its retirement decided
         # Still decoding now, so they were while v2's retirement was decided: v1 must stay. (vLLM
