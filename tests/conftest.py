@@ -168,6 +168,29 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
             terminalreporter.write_line(line)
 
 
+# Tests begun and not yet torn down, by node id: what a run interrupted for running too long
+# (scripts/test.sh, LORASYNC_SUITE_MINUTES) names, since its output shows only dots.
+_RUNNING: dict[str, float] = {}
+
+
+def pytest_runtest_logstart(nodeid: str, location: tuple[str, int | None, str]) -> None:
+    import time
+
+    _RUNNING[nodeid] = time.monotonic()
+
+
+def pytest_keyboard_interrupt(excinfo: pytest.ExceptionInfo[BaseException]) -> None:
+    import os
+    import sys
+    import time
+
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # the controller names them, once
+        return
+    now = time.monotonic()
+    for nodeid, began in sorted(_RUNNING.items(), key=lambda item: item[1]):
+        print(f"[test] still running when interrupted, for {now - began:.0f} s: {nodeid}", file=sys.stderr, flush=True)
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     """Count how issue 28's regression tests ended (tests/reliability/_findings.py), for the
     reliability table's rows per class of finding. Here, not in tests/reliability: they live in
@@ -179,6 +202,8 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         for name, value in report.user_properties:
             if name == "lorasync_figures":
                 record(**value)
+    if report.when == "teardown":
+        _RUNNING.pop(report.nodeid, None)
     if report.when == "teardown" or (report.when == "setup" and report.passed):
         return
     from reliability._figures import record_finding_test  # tests/ is on sys.path: one module for both conftests
