@@ -217,10 +217,11 @@ class EngineHandle:
         name_of = {v: served_name(self.name, v) for v in ledger.versions}
         decision = plan(ledger, policy, name_of=name_of, in_use=await self.in_use(), pins=pins, now=time.monotonic(), closing=closing, drains=self.drains)
         for version, why in decision.forced:
+            files = "its files stay until the engine stops reporting it" if self.last_in_use is not None else "its files stay for grace= more"
             warnings.warn(
-                f"{served_name(self.name, version)} on {self.where} was unloaded although requests still used it: "
-                f"{why}; its files stay until the engine stops reporting it. Pin versions that rollouts still "
-                "need (Publisher.pin / lease) or raise drain_timeout / max_deferred.",
+                f"{served_name(self.name, version)} on {self.where} was unloaded while requests may still use it: "
+                f"{why}; {files}. Pin versions that rollouts still need (Publisher.pin / lease) or raise "
+                "drain_timeout / max_deferred.",
                 RetentionWarning,
                 stacklevel=4,
             )

@@ -194,7 +194,7 @@ class Plan:
 
     unload: list[int] = field(default_factory=list)
     deferred: list[int] = field(default_factory=list)
-    forced: list[tuple[int, str]] = field(default_factory=list)  # (version, why) unloaded although in use
+    forced: list[tuple[int, str]] = field(default_factory=list)  # (version, why) unloaded while requests may use it
 
 
 def plan(
@@ -246,13 +246,19 @@ def plan(
             continue
         if policy.drain_timeout is not None and now - since >= policy.drain_timeout:
             result.unload.append(v)
-            result.forced.append((v, f"still in use {now - since:.0f} s after it left the window (drain_timeout={policy.drain_timeout:g} s)"))
+            result.forced.append((v, f"requests still used it {now - since:.0f} s after it left the window (drain_timeout={policy.drain_timeout:g} s)"))
             continue
         waiting.append(v)
     while len(waiting) > policy.max_deferred:
         v = waiting.pop(0)
         result.unload.append(v)
-        result.forced.append((v, f"more than max_deferred={policy.max_deferred} versions were waiting for their requests"))
+        if in_use is None:  # nothing says a request used it: only its grace period had not ended
+            result.forced.append((v, (
+                f"the engine cannot report requests in flight, and more than max_deferred={policy.max_deferred} versions "
+                f"were inside their grace period (grace={policy.grace:g} s; publishing faster than that keeps them all)"
+            )))
+        else:
+            result.forced.append((v, f"requests still used it, and more than max_deferred={policy.max_deferred} versions were waiting for theirs"))
     result.unload.sort()
     result.deferred = waiting
     return result

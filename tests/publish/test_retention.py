@@ -110,6 +110,33 @@ def test_deferral_is_bounded_with_a_typed_warning(tmp_path):
     assert 1 not in on_disk(pub)
 
 
+class _Blind(MemoryEngine):
+    """An engine that cannot report requests in flight (retirement waits out grace=)."""
+
+    def adapters_in_use(self) -> None:
+        return None
+
+
+def test_a_bounded_grace_period_warns_without_claiming_requests_used_it(tmp_path):
+    """Publishing faster than grace= on an engine that cannot report requests: the bound unloads
+    the oldest, and the warning says what is known (it was inside its grace period), not that
+    requests still used it (a benchmark's every-step publishes printed that claim each round)."""
+    engine = _Blind()
+    pub = Publisher([engine], name="p", keep=1, max_deferred=1, root=tmp_path, grace=60.0)
+    pub.publish(adapter(1), version=1).settled()
+    pub.publish(adapter(2), version=2).settled()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = pub.publish(adapter(3), version=3).settled()
+    said = [str(w.message) for w in caught if issubclass(w.category, RetentionWarning)]
+    assert len(said) == 1 and "p@v1" in said[0], said
+    assert "cannot report requests in flight" in said[0] and "grace=60 s" in said[0], said[0]
+    assert "requests still used it" not in said[0], said[0]
+    assert report.results[0].retired == ["p@v1"] and report.results[0].deferred == ["p@v2"]
+    assert sorted(engine.list_adapters()) == ["p@v2", "p@v3"]
+    pub.close()
+
+
 def test_drain_timeout_bounds_a_stuck_version(tmp_path):
     engine = ReloadingEngine()
     pub = Publisher([engine], name="p", keep=1, drain_timeout=0.0, root=tmp_path, grace=0.0)
