@@ -33,7 +33,7 @@ __all__ = ["LEARN", "Ledger", "Plan", "Retention", "RetentionWarning", "plan"]
 
 
 class RetentionWarning(LoraSyncWarning):
-    """A version was unloaded although requests still used it (drain timeout or bound hit)."""
+    """A version was unloaded while requests may still use it (drain timeout or bound hit)."""
 
 
 @dataclass(frozen=True)
@@ -246,7 +246,8 @@ def plan(
             continue
         if policy.drain_timeout is not None and now - since >= policy.drain_timeout:
             result.unload.append(v)
-            result.forced.append((v, f"requests still used it {now - since:.0f} s after it left the window (drain_timeout={policy.drain_timeout:g} s)"))
+            held = "requests still used it" if in_use is not None else f"the engine cannot report requests and its grace period (grace={policy.grace:g} s) had not ended"
+            result.forced.append((v, f"{held} {now - since:.0f} s after it left the window (drain_timeout={policy.drain_timeout:g} s)"))
             continue
         waiting.append(v)
     while len(waiting) > policy.max_deferred:
