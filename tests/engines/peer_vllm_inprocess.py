@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from lorasync.engines import connect
 from lorasync.engines.vllm._protocol import WORKER_EXTENSION
 from lorasync.engines.vllm.inprocess import VLLMInProcessEngine
 from lorasync.errors import (
+    AdapterAlreadyLoadedError,
     AdapterNotFoundError,
     ConfigError,
     EngineUnavailableError,
@@ -194,6 +196,51 @@ def test_adapters_in_use_sees_a_running_request(host: Any, engine: VLLMInProcess
     assert frozenset({"busy@v1"}) in seen
     assert engine.adapters_in_use() == frozenset()
     engine.unload_adapter("busy@v1")
+
+
+def test_a_name_is_loaded_again_only_once_its_unloaded_version_finished(host: Any, engine: VLLMInProcessEngine) -> None:
+    """vLLM 0.32 compares LoRARequests by name alone (0.34 adds the LoRA id) and collects a batch's
+    requests in a set: the name loaded again while a request of its unloaded version runs would
+    be two ids vLLM takes for one adapter. The load is refused meanwhile, and loads after."""
+    from vllm import SamplingParams
+
+    name = "again@v1"
+    engine.load_adapter(name, DATA["adapters"][0])
+    params = SamplingParams(temperature=0.0, max_tokens=240, ignore_eos=True)
+    request = engine.lora_request(name)
+    refused: list[AdapterAlreadyLoadedError] = []
+    if MODE == "async":
+
+        async def long() -> None:
+            async for _ in host.llm.generate({"prompt_token_ids": [5, 6, 7]}, params, request_id="again-1", lora_request=request):
+                if not refused:
+                    await engine.aunload_adapter(name)
+                    with pytest.raises(AdapterAlreadyLoadedError) as info:
+                        await engine.aload_adapter(name, DATA["adapters"][1])
+                    refused.append(info.value)
+
+        host.run(long())
+    else:
+        # LLM.generate blocks its caller: unload and load from another thread while it decodes.
+        def swap() -> None:
+            deadline = time.monotonic() + 60
+            while name not in (engine.adapters_in_use() or ()) and time.monotonic() < deadline:
+                time.sleep(0.001)
+            engine.unload_adapter(name)
+            try:
+                engine.load_adapter(name, DATA["adapters"][1])
+            except AdapterAlreadyLoadedError as exc:
+                refused.append(exc)
+
+        swapper = threading.Thread(target=swap)
+        swapper.start()
+        host.generate([{"prompt_token_ids": [5, 6, 7]}], params, lora_request=request, use_tqdm=False)
+        swapper.join(timeout=120)
+    assert refused and "tells adapters apart by name alone" in str(refused[0]), refused
+    assert name not in engine.list_adapters()
+    engine.load_adapter(name, DATA["adapters"][1])  # nothing of the unloaded version runs now
+    assert generate(host, engine, name, DATA["prompts"][0]) == DATA["expected"][1][0]
+    engine.unload_adapter(name)
 
 
 def test_sleeping_engine_refuses_publishing_with_a_typed_error(host: Any, engine: VLLMInProcessEngine, monkeypatch: pytest.MonkeyPatch) -> None:

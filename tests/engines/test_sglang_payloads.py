@@ -72,6 +72,22 @@ def test_0_5_10_sends_one_serialized_tensors_string() -> None:
     assert isinstance(body["serialized_tensors"], str)
 
 
+@pytest.mark.parametrize(("version", "field", "checksums"), [("0.5.15", "serialized_tensors", False), ("0.5.16", "serialized_tensors", True)])
+def test_checksums_go_from_0_5_16_the_release_that_reads_them(version: str, field: str, checksums: bool) -> None:
+    """0.5.16 added expected_checksums to the one-string route; 0.5.15 has no such field (read in
+    the wheels), and SGLang drops an unknown field unread: sending it there would check nothing."""
+    from lorasync.engines.sglang.protocol import sha256
+
+    adapter = _adapter()
+    engine = SGLangEngine("http://sglang:30000", version=version)
+    body = _drive(engine._load_tensors_op("a", adapter, False), {"/server_info": INFO, "/load_lora_adapter_from_tensors": OK_LORA})[-1].json
+    assert sorted(body) == sorted(["config_dict", "lora_name", field] + (["expected_checksums"] if checksums else []))
+    if checksums:
+        assert body["expected_checksums"] == {k: sha256(t) for k, t in adapter.tensors.items()}
+    off = SGLangEngine("http://sglang:30000", version=version, checksums=False)
+    assert "expected_checksums" not in _drive(off._load_tensors_op("a", adapter, False), {"/server_info": INFO, "/load_lora_adapter_from_tensors": OK_LORA})[-1].json
+
+
 def test_0_5_17_sends_one_payload_per_tp_rank_with_checksums() -> None:
     engine = SGLangEngine("http://sglang:30000", version="0.5.17")
     calls = _drive(engine._load_tensors_op("a", _adapter(), True), {"/server_info": INFO, "/load_lora_adapter_from_tensors": OK_LORA})

@@ -25,7 +25,13 @@ request class: ``unknown`` lists keys SGLang would silently ignore), ``POST /_co
 "after", "delay", "lose"}`` (let ``after`` requests to ``path`` through, then answer the next ``times``
 with ``status`` before SGLang sees them, after ``delay`` seconds; status 0 only delays; with
 ``lose`` SGLang handles the request and its answer is replaced by ``status``, 502 by default: an
-answer lost after the request landed).
+answer lost after the request landed). ``POST /_contract/factors`` ``{"lora_name"}`` answers what
+SGLang computes with for a loaded adapter: its scale and the sha256 of each module's A and B.
+
+Loads from tensors run SGLang's own ``TpModelWorker.load_lora_adapter_from_tensors``, which
+checks ``expected_checksums`` (sha256 per tensor) before the load; what it raises (a mismatch, a
+payload that does not unpickle) kills the peer as it kills SGLang 0.5.23's server (the scheduler
+process dies, and SIGQUIT takes the rest down): the request is never answered.
 
 Requests in flight, under test control: ``POST /_contract/hold`` ``{"lora_name"}`` makes every
 later ``/generate`` on that adapter stop after SGLang's own ``_validate_and_resolve_lora`` has
@@ -36,7 +42,7 @@ flight and SGLang's own per-adapter use counts. Unload is SGLang's own
 waits in ``LoRARegistry.wait_for_unload`` until every request holding the adapter has released
 it, holding ``lora_update_lock`` the whole time (so a load, or an implicit reload, waits too).
 
-This module is long (about 650 lines) because it is one peer: SGLang's app, its scheduler
+This module is long (about 720 lines) because it is one peer: SGLang's app, its scheduler
 stand-in and the test routes must be started together in one process.
 """
 
@@ -131,18 +137,32 @@ class _Runner:
         return True, "Succeeded to update model weights."
 
 
+class _ModelRunner:
+    """ModelRunner's LoRA entry (SGLang's own method) over the peer's LoRA manager."""
+
+    def __init__(self, lora_manager: Any) -> None:
+        self.lora_manager = lora_manager
+
+    def load_lora_adapter_from_tensors(self, lora_ref: Any, tensors: Any, config_dict: Any, added_tokens_config: Any = None) -> Any:
+        # ModelRunner.load_lora_adapter_from_tensors, verbatim (importing ModelRunner costs ~12 s).
+        return self.lora_manager.load_lora_adapter_from_tensors(lora_ref, tensors, config_dict, added_tokens_config)
+
+
 class _TpWorker:
+    """The TP worker: SGLang's own ``TpModelWorker`` methods for deserializing a rank's payload and
+    loading an adapter from tensors (the ``expected_checksums`` check lives there)."""
+
     def __init__(self, scheduler: _Scheduler) -> None:
+        from sglang.srt.managers.tp_worker import TpModelWorker
+
         self.runner = _Runner(scheduler)
+        self.model_runner = _ModelRunner(scheduler.lora_manager)
+        # SGLang's own, unbound: they read only deserialize_own_rank, model_runner and the TP rank.
+        self.deserialize_own_rank = types.MethodType(TpModelWorker.deserialize_own_rank, self)
+        self.load_lora_adapter_from_tensors = types.MethodType(TpModelWorker.load_lora_adapter_from_tensors, self)
 
     def weight_update_runners(self) -> list[tuple[str, Any]]:
         return [("target", self.runner)]
-
-    def deserialize_own_rank(self, serialized_named_tensors: list[bytes]) -> Any:
-        # TpModelWorker.deserialize_own_rank with tp_rank 0 (this peer has one TP rank).
-        from sglang.srt.utils.common import MultiprocessingSerializer
-
-        return MultiprocessingSerializer.deserialize(serialized_named_tensors[0])
 
 
 class _Scheduler:
@@ -224,12 +244,12 @@ class _Scheduler:
         name = type(obj).__name__
         lm = self.lora_manager
         if isinstance(obj, io.LoadLoRAAdapterFromTensorsReqInput):
+            # SGLang's own TpModelWorker.load_lora_adapter_from_tensors: this rank's payload, the
+            # expected_checksums check (sha256 per tensor), then the LoRA manager's load.
             try:
-                tensors = self.weight_updater.tp_worker.deserialize_own_rank(obj.serialized_named_tensors)
-                self._check_checksums(obj, tensors)
-            except Exception as exc:  # the real scheduler would crash; answer instead
-                return io.LoRAUpdateOutput(success=False, error_message=str(exc))
-            return lm._load_lora_adapter_from_tensors(obj.to_ref(), tensors, obj.config_dict, obj.added_tokens_config)
+                return self.weight_updater.tp_worker.load_lora_adapter_from_tensors(obj)
+            except Exception:  # a torn payload, a checksum mismatch: SGLang's scheduler dies of it
+                _die_like_the_scheduler()
         if isinstance(obj, io.LoadLoRAAdapterReqInput):
             return lm._load_lora_adapter(obj.to_ref())
         if isinstance(obj, io.UnloadLoRAAdapterReqInput):
@@ -251,32 +271,6 @@ class _Scheduler:
         if isinstance(obj, io.GetInternalStateReq):
             return io.GetInternalStateReqOutput(internal_state={"loaded_lora_ids": sorted(lm.loras)})
         raise NotImplementedError(f"the SGLang contract server does not handle {name}")
-
-    @staticmethod
-    def _check_checksums(obj: Any, tensors: dict[str, Any]) -> None:
-        # TpModelWorker.load_lora_adapter_from_tensors' checksum rule, verbatim in effect.
-        import hashlib
-
-        if obj.expected_checksums is None:
-            return
-        exp = obj.expected_checksums
-        mismatch, missing = [], []
-        for name, want in exp.items():
-            if name not in tensors:
-                missing.append(name)
-                continue
-            got = hashlib.sha256(
-                tensors[name].detach().cpu().contiguous().flatten().view(__import__("torch").uint8).numpy().tobytes()
-            ).hexdigest()
-            if got != want:
-                mismatch.append(name)
-        extra = [n for n in tensors if n not in exp]
-        if mismatch or missing or extra:
-            raise RuntimeError(
-                f"[LORA-CHECK] rank0 adapter sync MISMATCH of {len(exp)} expected: "
-                f"{len(mismatch)} value-diff {mismatch[:5]}, {len(missing)} missing {missing[:5]}, "
-                f"{len(extra)} extra {extra[:5]}"
-            )
 
     def load_base_weights(self, named_tensors: Any) -> None:
         import torch
@@ -320,8 +314,21 @@ class _Scheduler:
 
     def _lora_hooks(self, lora_id: str) -> list[Any]:
         """Forward hooks adding scale·B·A·x from SGLang's packed LoRAAdapter weights."""
+        scale, deltas = self.factors(lora_id)
+        hooks = []
+        for path, (a, b) in deltas.items():
+            module = self._module(path)
+
+            def hook(mod: Any, args: Any, output: Any, a: Any = a, b: Any = b) -> Any:
+                return output + scale * (args[0] @ a.T.to(args[0].dtype)) @ b.T.to(args[0].dtype)
+
+            hooks.append(module.register_forward_hook(hook))
+        return hooks
+
+    def factors(self, lora_id: str) -> tuple[float, dict[str, tuple[Any, Any]]]:
+        """SGLang's scale (``LoRAAdapter.scaling``) and each leaf module's (A, B), unpacked from
+        SGLang's packed ``qkv_proj`` / ``gate_up_proj`` weights: what it computes with."""
         adapter = self.lora_manager.loras[lora_id]
-        scale = adapter.scaling
         r = adapter.config.r
         deltas: dict[str, tuple[Any, Any]] = {}
         for layer_id, layer in enumerate(adapter.layers):
@@ -342,19 +349,25 @@ class _Scheduler:
                         break
                 else:
                     deltas[name.split(".lora_A")[0]] = (weight, b)
-        hooks = []
-        for path, (a, b) in deltas.items():
-            module = self._module(path)
-
-            def hook(mod: Any, args: Any, output: Any, a: Any = a, b: Any = b) -> Any:
-                return output + scale * (args[0] @ a.T.to(args[0].dtype)) @ b.T.to(args[0].dtype)
-
-            hooks.append(module.register_forward_hook(hook))
-        return hooks
+        return adapter.scaling, deltas
 
     def _module(self, path: str) -> Any:
         path = path.removeprefix("base_model.model.")
         return self.model.get_submodule(path)
+
+
+def _die_like_the_scheduler() -> None:
+    """What SGLang 0.5.23 does when its scheduler's handler raises (``run_scheduler_process``: log
+    "Scheduler hit an exception", SIGQUIT to the server, whose handler kills the process tree):
+    the whole server dies, and the request that caused it is never answered."""
+    import signal
+    import traceback
+
+    logger.error("Scheduler hit an exception: %s", traceback.format_exc())
+    for handler in logging.getLogger().handlers + logger.handlers:
+        handler.flush()
+    sys.stderr.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _fake_tokenizer_manager(server_args: Any, scheduler: _Scheduler) -> Any:  # noqa: C901 - one class
@@ -591,6 +604,8 @@ class _ContractMiddleware:
             payload = {"ok": True}
         elif path == "/_contract/inflight":
             payload = self._inflight()
+        elif path == "/_contract/factors":
+            payload = self._factors(str(json.loads(body)["lora_name"]))
         elif path == "/_contract/stash" and self.manager.scheduler.streamed is not None:
             payload = self.manager.scheduler.streamed.view()
         else:
@@ -598,6 +613,20 @@ class _ContractMiddleware:
             return
         await _respond(send, 200, json.dumps(payload).encode(), "application/json")
 
+
+    def _factors(self, name: str) -> dict[str, Any]:
+        """What SGLang computes with for adapter ``name``: its scale and the sha256 of each leaf
+        module's A and B (bytes of the contiguous tensor, as SGLang's checksums hash them)."""
+        import hashlib
+
+        import torch
+
+        def digest(t: Any) -> str:
+            return hashlib.sha256(t.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+        scale, deltas = self.manager.scheduler.factors(self.manager.lora_ref_cache[name].lora_id)
+        modules = {path.removeprefix("base_model.model."): {"A": digest(a), "B": digest(b)} for path, (a, b) in deltas.items()}
+        return {"scaling": scale, "modules": modules}
 
     def _inflight(self) -> dict[str, Any]:
         """Requests in flight, and SGLang's own use count of each adapter id (named through
@@ -641,6 +670,9 @@ def build_app(argv: list[str]) -> Any:
     ours, argv = parser.parse_known_args(argv)
     server_args = prepare_server_args([*argv, "--device", "cpu", "--skip-server-warmup"])
     publish(server_args, role="tokenizer")
+    from sglang.srt.runtime_context import get_parallel
+
+    get_parallel().override_permanently(tp_rank=0)  # the one TP rank: SGLang's TpModelWorker reads it
     scheduler = _Scheduler(server_args, streamed=ours.lora_protocol == "streamed")
     manager = _fake_tokenizer_manager(server_args, scheduler)
     template_manager = TemplateManager()

@@ -66,7 +66,9 @@ class SGLangEngine(TensorLoads):
         weight_bucket_bytes (`int`, *optional*, defaults to 256 MiB): the merged fallback sends
             base weights in requests of at most this many tensor bytes (a larger tensor goes alone).
         checksums (`bool`, *optional*, defaults to `True`): send per-tensor SHA-256 with tensor
-            loads (0.5.17+), so SGLang refuses bytes corrupted on the way.
+            loads (0.5.16+; older servers drop the field unread), so SGLang refuses bytes that
+            differ on arrival. 0.5.16-0.5.23 refuse by their scheduler raising, which takes the
+            server down: torn bytes are never served.
         api_key (`str`, *optional*): ``--api-key``/``--admin-api-key``; defaults to env ``SGLANG_API_KEY``.
             Never logged, shown in ``repr`` or pickled (see :class:`HTTPEngine`).
         api_key_env (`str`, *optional*): the environment variable holding the key (required then),

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from lorasync._adapter import Adapter
 
 __all__ = [
+    "CHECKSUMS_SINCE",
     "DEFAULT_VERSION",
     "REGISTER_ROUTE",
     "STREAMED",
@@ -41,6 +42,9 @@ __all__ = [
 DEFAULT_VERSION = "0.5.23"
 TENSOR_ROUTE_SINCE = (0, 5, 10)
 PER_RANK_FIELD_SINCE = (0, 5, 17)
+# expected_checksums (sha256 per tensor), verified by TpModelWorker before the load; read in the 0.5.16
+# and 0.5.17 wheels (0.5.15.post1 has no such field, and drops it unread like any unknown field).
+CHECKSUMS_SINCE = (0, 5, 16)
 SESSION_SINCE = (0, 5, 23)
 MODELS_LIST_ADAPTERS_SINCE = (0, 5, 10)
 

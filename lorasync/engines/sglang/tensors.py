@@ -1,7 +1,8 @@
 """Loads from tensors, in both protocols SGLang has had: the operations behind ``load_adapter_tensors``.
 
 * ``tensors`` (0.5.10 ... 0.5.23): one ``POST /load_lora_adapter_from_tensors`` carrying the PEFT
-  config and ``base64(pickle)`` of the tensors (per TP rank from 0.5.17, with checksums).
+  config and ``base64(pickle)`` of the tensors (per TP rank from 0.5.17; with sha256 checksums
+  per tensor from 0.5.16).
 * ``streamed`` (SGLang main, PR #36384, which removed the route above): ``POST
   /register_lora_adapter {lora_name, config_dict}`` creates the name with zero weights, then the
   tensors, named ``"{lora_name}:{PEFT key}"``, go through ``/update_weights_from_tensor`` inside
@@ -26,6 +27,7 @@ from lorasync.engines._http import Call, Operation, body_json
 from lorasync.engines.sglang import errors
 from lorasync.engines.sglang.operations import SGLangOperations
 from lorasync.engines.sglang.protocol import (
+    CHECKSUMS_SINCE,
     PER_RANK_FIELD_SINCE,
     REGISTER_ROUTE,
     STREAMED,
@@ -87,10 +89,12 @@ class TensorLoads(SGLangOperations):
         if version >= PER_RANK_FIELD_SINCE:
             # Rank i reads element i; the payload is self-contained, so every rank gets a copy.
             body["serialized_named_tensors"] = [payload] * tp
-            if self.checksums:
-                body["expected_checksums"] = {k: sha256(t) for k, t in tensors.items()}
         else:
             body["serialized_tensors"] = payload
+        if self.checksums and version >= CHECKSUMS_SINCE:
+            # Of the very copies serialized above: SGLang refuses bytes that differ on arrival
+            # (0.5.16-0.5.23: its scheduler raises and the server dies; nothing torn is served).
+            body["expected_checksums"] = {k: sha256(t) for k, t in tensors.items()}
         if pinned:
             body["pinned"] = True
         refused = False

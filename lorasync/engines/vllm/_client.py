@@ -16,8 +16,11 @@ Quirks handled here (see docs/engines/vllm.md):
   once ``/v1/models`` confirms it; otherwise the load (or unload) is an ``EngineProtocolError``.
 * A retried load answered "already been loaded" is our earlier attempt having landed (lorasync
   loads unique versioned names): it counts as success once ``/v1/models`` confirms the path.
-* ``load_inplace=True`` is persisted by vLLM 0.32 and re-reads the files on every step; it is
-  off unless asked for, and ``capabilities().load_inplace`` is False.
+* ``load_inplace=True`` is persisted by vLLM 0.32 and re-reads the files on every step (a
+  warning there; 0.33 fixed it, but the swap still lands under running requests); it is off
+  unless asked for, and ``capabilities().load_inplace`` is False.
+* Before 0.34 vLLM tells ``LoRARequest``s apart by name alone: a name this client unloaded is
+  loaded again only once no request of the unloaded version runs (``_releases``).
 
 The module is longer than the house's ~400 lines because it is one class whose public methods
 come in sync/async pairs with full docstrings; the operations behind them are written once.
@@ -39,7 +42,9 @@ from lorasync.wire.d2h import to_shm_segment
 from lorasync.engines._engine import Capabilities
 from lorasync.engines._hosts import is_same_host
 from lorasync.engines._http import Call, HTTPEngine, Operation, body_json, body_text
+from lorasync.engines.vllm import _releases
 from lorasync.engines.vllm._bodies import Completion, adapter_roots, completion_of, lora_in_use
+from lorasync.engines.vllm._lora_compat import rules_for
 from lorasync.engines.vllm.moe import check as check_moe
 from lorasync.engines.vllm._errors import dig, disabled, engine_dead, generic, load_error, message_of, route_missing, unexpected
 from lorasync.engines.vllm._protocol import (
@@ -148,6 +153,7 @@ class VLLMEngine(HTTPEngine):
         self.max_loras = max_loras
         self.same_host = is_same_host(self.url, same_host)
         self._ipc_tokens: dict[str, str] = {}  # adapter name -> token of tensors staged in the workers
+        self._unloaded: set[str] = set()  # names this client unloaded (requests of them may still run)
 
     # -- public API: each operation written once, driven sync and async ---------------------------
 
@@ -398,8 +404,7 @@ class VLLMEngine(HTTPEngine):
         version = dig(body_json(version_response), "version") if version_response.status_code == 200 else None
         notes = [
             f"vllm {version or 'unknown version'}",
-            "unload forgets the name but keeps the weights in the engine's LoRA cache until evicted",
-            "load_inplace re-reads the adapter files on every step (vLLM 0.32); versioned names are used instead",
+            *_releases.notes(rules_for(version)),
             "keep adapter files until their name is unloaded: an evicted adapter is re-read from disk",
         ]
         notes += check_engine_version("vllm", version, url=self.url)  # refuses an unknown major version
@@ -463,8 +468,12 @@ class VLLMEngine(HTTPEngine):
         body: dict[str, Any] = {"lora_name": name, "lora_path": lora_path}
         if load_inplace:  # sent only when asked: older servers then refuse instead of ignoring it silently
             body["load_inplace"] = True
+            yield from _releases.warn_inplace(self, name, lora_path)
+        if name in self._unloaded:  # vLLM before 0.34 would take the new LoRA id for the old one's
+            yield from _releases.refuse_name_in_use(self, name)
         response = yield Call("POST", LOAD_ROUTE, json=body)
         if response.status_code == 200 and body_text(response).startswith("Success"):
+            self._unloaded.discard(name)
             return
         message = message_of(response)
         if response.status_code == 200:
@@ -606,6 +615,7 @@ class VLLMEngine(HTTPEngine):
                     **self.error_context(UNLOAD_ROUTE, name, response),
                 )
         if response.status_code == 200:
+            self._unloaded.add(name)
             token = self._ipc_tokens.pop(name, None)
             if token is not None:
                 # Tensors staged in the workers for this name are no longer reachable by requests.

@@ -72,7 +72,7 @@ def load_error(engine: HTTPEngine, response: httpx.Response, name: str, path: st
     if "has already been loaded" in message:
         return AdapterAlreadyLoadedError(
             f"{where} already serves an adapter named {name!r}; publish under a new versioned name, "
-            "unload it first, or pass load_inplace=True (unsafe on vLLM 0.32, see docs/engines/vllm.md)",
+            "unload it first, or pass load_inplace=True (re-read from disk every step on vLLM 0.32 and before, swapped under running requests on every release; see docs/engines/vllm.md)",
             **context,
         )
     if "conflicts with a served base model" in message:

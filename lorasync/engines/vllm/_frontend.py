@@ -23,6 +23,10 @@ keep alone:
   :meth:`Frontend.releasable`); retirement forced by ``drain_timeout`` / ``max_deferred`` under a
   running request no longer takes the weights from under it. Admission and that check take one
   lock, so no request slips in between.
+* **A name is loaded again only when vLLM can tell the versions apart.** Before 0.34 vLLM's
+  ``LoRARequest`` equality is the name alone, and a batch collects its requests in a set: a name
+  loaded again (a new LoRA id) while requests of its unloaded version (the old id) still run
+  would be one adapter to vLLM. :meth:`Frontend.check_name_free` refuses that load.
 
 Tested against vLLM 0.32 (``SyncMPClient``, ``OutputProcessor.add_request``).
 """
@@ -146,6 +150,30 @@ class Frontend:
             except RuntimeError:
                 continue
         return set(self._gone) | set(self._pending)  # unreadable: assume every retired version is in use
+
+    def check_name_free(self, name: str, *, kind: str, url: str, version: str | None) -> None:
+        """Refuse to load ``name`` while a request naming it (an earlier LoRA id: lorasync does not
+        serve it now) runs, on a release that compares ``LoRARequest``s by name alone.
+
+        Raises:
+            AdapterAlreadyLoadedError: such a request is in flight (it says what to do).
+        """
+        from lorasync.engines.vllm._lora_compat import rules_for
+        from lorasync.engines.vllm._releases import reused_name_error
+
+        if rules_for(version).request_identity_has_id:
+            return
+        states = self._requests()
+        for _ in range(5):  # the engine's thread may finish requests while we read
+            try:
+                names = {getattr(getattr(s, "lora_request", None), "lora_name", None) for s in list(states.values())}
+                break
+            except RuntimeError:
+                continue
+        else:
+            names = set(self._gone.values())  # unreadable: every retired name may still run
+        if name in names:
+            raise reused_name_error(kind, url, name, version)
 
     def retire(self, lora_id: int, name: str) -> None:
         """Refuse new requests for ``lora_id`` from now on (lorasync unloads it)."""

@@ -1,11 +1,15 @@
-"""What differs, between the vLLM releases lorasync's worker extension runs in, in how vLLM's own
-``WorkerLoRAManager._load_adapter`` builds an adapter, so the extension's staged-tensor loader
-(``worker._load_staged``) mirrors the release it runs in.
+"""What differs between the vLLM releases lorasync runs against: how vLLM's own
+``WorkerLoRAManager._load_adapter`` builds an adapter (so the worker extension's staged-tensor
+loader, ``worker._load_staged``, mirrors the release it runs in), and how the release serves
+adapters where lorasync's clients depend on it (``LoRARequest`` equality, ``load_inplace``,
+unload). docs/engines/vllm.md has the table.
 
 Read from the releases' sources: 0.26.0 (the newest release pinning torch 2.11, run on the H200,
-docs/benchmarks-gpu.md) and 0.32.0 (the CPU build the suite runs). A release between them gets
-the rules of the newest listed release not newer than it; a hook the installed release lacks is
-skipped (it was added later), never called blindly.
+docs/benchmarks-gpu.md), 0.32.0 (the CPU build the suite runs), and the 0.33.0 and 0.34.0 wheels
+(GPU only, read, not run). A release between them gets the rules of the newest listed release
+not newer than it, a newer one those of the newest listed, an unknown one the oldest's (the
+cautious answer to every question below); a hook the installed release lacks is skipped (it was
+added later), never called blindly.
 
 This module imports nothing from vLLM: the worker passes in what it found.
 """
@@ -43,6 +47,17 @@ class LoaderRules:
             sets it on the runner's LoRA wrapper, whose forward calls the runner, which still
             holds the bare gate (read from the real engine's module graph by
             ``tests/engines/peer_vllm_moe.py``, which fails once a release applies it).
+        request_identity_has_id (`bool`): ``LoRARequest.__eq__``/``__hash__`` take ``lora_int_id``
+            besides the name (0.34; before, the name alone). vLLM collects a batch's requests in a
+            ``set``, so before 0.34 two LoRA ids under one name (a name loaded again while
+            requests of its unloaded version still run) are one adapter to it: one of them is
+            not activated, and its requests run on a slot that is not theirs or kill the
+            EngineCore. lorasync refuses such a load on those releases.
+        inplace_persists (`bool`): the server caches a ``load_inplace=True`` request with the flag
+            still set, so the worker re-reads the adapter from disk on every step (0.32 and
+            before; 0.33 resets the flag before caching). lorasync warns when asked for it there.
+        unload_frees (`bool`): unloading frees the adapter's slot and cache (no release through
+            0.34.0: the API server only forgets the name, vLLM #54839 open).
     """
 
     mapper: str
@@ -50,6 +65,9 @@ class LoaderRules:
     patterns: bool
     base_layer_names: bool = False
     router_lora: bool = False
+    request_identity_has_id: bool = False
+    inplace_persists: bool = True
+    unload_frees: bool = False
 
 
 RELEASES: dict[tuple[int, ...], LoaderRules] = {
@@ -59,12 +77,27 @@ RELEASES: dict[tuple[int, ...], LoaderRules] = {
         validators=("_validate_moe_lora_format", "_validate_modules_to_save", "_validate_token_classification_lora"),
         patterns=True,
     ),
+    # 0.33: the two classification checks became one; serving.py resets load_inplace before caching.
+    (0, 33, 0): LoaderRules(
+        mapper="get_rename_mapper",
+        validators=("_validate_moe_lora_format", "_validate_classification_head_lora"),
+        patterns=True,
+        inplace_persists=False,
+    ),
+    # 0.34: LoRARequest compares (and hashes) name and lora_int_id.
+    (0, 34, 0): LoaderRules(
+        mapper="get_rename_mapper",
+        validators=("_validate_moe_lora_format", "_validate_classification_head_lora"),
+        patterns=True,
+        inplace_persists=False,
+        request_identity_has_id=True,
+    ),
 }
 
 
 def rules_for(version: object) -> LoaderRules:
     """The rules of the newest listed release not newer than ``version`` (the oldest listed for
-    older or unparsable versions)."""
+    older or unparsable versions, ``None`` included: the cautious answers)."""
     parsed = parse_version(version)
     known = sorted(RELEASES)
     chosen = known[0]

@@ -1,29 +1,35 @@
 """Every vLLM name lorasync imports, resolved in one place (the import surface).
 
-vLLM moves its modules between releases: 0.33 put the LoRA code under
-``vllm/runtime/modeling/lora/`` and the exceptions under ``vllm/foundation/system/``, and keeps
-alias shims at the old paths (``vllm/lora/*.py``, ``vllm/exceptions.py``), which a later release
-may drop. So lorasync never writes ``from vllm... import ...`` elsewhere (tests/engines/
-test_vllm_surface.py checks that), but asks :func:`resolve` for a name:
+vLLM main moved its modules (seen at commit 055e47c2, after the 0.33.0 release): the LoRA code to
+``vllm/runtime/modeling/lora/`` and the exceptions to ``vllm/foundation/system/``, with alias
+shims left at the old paths (``vllm/lora/*.py``, ``vllm/exceptions.py``), which a later release
+may drop. No release has the move yet: the 0.33.0 and 0.34.0 wheels have neither ``vllm/runtime``
+nor ``vllm/foundation``, and LoRA is still ``vllm/lora/`` (tests/engines/data/
+vllm_release_surfaces.json). So which home comes first is decided by what the installed vLLM
+*has*, never by a version number that could name the wrong release: the moved layout is in use
+where its package (:data:`MOVED_PACKAGE`) exists. lorasync never writes ``from vllm... import
+...`` elsewhere (tests/engines/test_vllm_surface.py checks that), but asks :func:`resolve`:
 
 * **public** names (documented by vLLM: ``vllm.LLM``, ``vllm.SamplingParams``,
   ``vllm.lora.request.LoRARequest``, ``vllm.exceptions``) come from their documented home, and
   from the new module only where that home is gone;
-* **private** names (the worker extension's PEFT parsing helpers) come from the module the
-  installed version's gate names first (the canonical module from 0.33 on, the old path before),
-  then from the others.
+* **private** names (the worker extension's PEFT parsing helpers) come from the old path
+  (``vllm/lora/...``, every release through 0.34) unless the installed vLLM has the moved
+  layout, then from its canonical module first (its shims may warn or go); the other home is
+  the fallback either way.
 
 Each home is tried in order; a name no home has raises
 :class:`~lorasync.errors.CapabilityError` naming the vLLM version and every module tried, before
 the engine is touched. tests/engines/test_vllm_surface.py checks :data:`SURFACE` against vLLM
-main's source as recorded (tests/engines/data/vllm_main_surface.json, with its commit) and
-against the installed vLLM.
+main's source as recorded (tests/engines/data/vllm_main_surface.json, with its commit), against
+the 0.33.0 and 0.34.0 wheels as recorded, and against the installed vLLM.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import re
 import sys
 from dataclasses import dataclass
@@ -31,9 +37,11 @@ from typing import Any
 
 from lorasync.errors import CapabilityError
 
-__all__ = ["SURFACE", "Name", "resolve", "version_text", "vllm_version"]
+__all__ = ["MOVED_PACKAGE", "SURFACE", "Name", "moved_layout", "order", "resolve", "version_text", "vllm_version"]
 
-MOVED_IN = (0, 33)  # the release that moved vLLM's modules behind alias shims
+#: The package vLLM main moved its LoRA code to; where it exists, the moved layout is in use. No
+#: release through 0.34.0 has it (a version gate would have to guess the first that does).
+MOVED_PACKAGE = "vllm.runtime.modeling.lora"
 
 
 @dataclass(frozen=True)
@@ -42,53 +50,53 @@ class Name:
 
     Attributes:
         attr: the attribute to take from the module.
-        homes: ``(module, since)`` in order of preference; ``since`` is the first vLLM version
-            whose gate prefers that module (None: any version).
+        homes: ``(module, moved)`` in order of preference; ``moved`` marks a module of the moved
+            layout (vLLM main after 0.34), False a module every release through 0.34 has.
         public: documented by vLLM (its first home is its public one).
         why: what lorasync uses it for.
     """
 
     attr: str
-    homes: tuple[tuple[str, tuple[int, ...] | None], ...]
+    homes: tuple[tuple[str, bool], ...]
     public: bool
     why: str
 
 
-_LORA = "vllm.runtime.modeling.lora"
+_LORA = MOVED_PACKAGE
 SURFACE: dict[str, Name] = {
-    "LLM": Name("LLM", (("vllm", None),), True, "the in-process engine's type checks"),
-    "SamplingParams": Name("SamplingParams", (("vllm", None),), True, "greedy verification requests"),
-    "LoRARequest": Name("LoRARequest", (("vllm.lora.request", None), (f"{_LORA}.request", MOVED_IN)), True, "selecting an adapter in-process"),
+    "LLM": Name("LLM", (("vllm", False),), True, "the in-process engine's type checks"),
+    "SamplingParams": Name("SamplingParams", (("vllm", False),), True, "greedy verification requests"),
+    "LoRARequest": Name("LoRARequest", (("vllm.lora.request", False), (f"{_LORA}.request", True)), True, "selecting an adapter in-process"),
     "LoRAAdapterNotFoundError": Name(
         "LoRAAdapterNotFoundError",
-        (("vllm.exceptions", None), ("vllm.foundation.system.exceptions", MOVED_IN)),
+        (("vllm.exceptions", False), ("vllm.foundation.system.exceptions", True)),
         True,
         "the worker extension's answer for a staged adapter that is gone",
     ),
     "VLLMNotFoundError": Name(
         "VLLMNotFoundError",
-        (("vllm.exceptions", None), ("vllm.foundation.system.exceptions", MOVED_IN)),
+        (("vllm.exceptions", False), ("vllm.foundation.system.exceptions", True)),
         True,
         "the in-process engine's refusal of a retired version, as a not-found error vLLM re-raises as is",
     ),
     "PEFTHelper": Name(
         "PEFTHelper",
-        ((f"{_LORA}.peft_helper", MOVED_IN), ("vllm.lora.peft_helper", None)),
+        (("vllm.lora.peft_helper", False), (f"{_LORA}.peft_helper", True)),
         False,
         "validating a staged adapter's config as vLLM does",
     ),
     "parse_fine_tuned_lora_name": Name(
-        "parse_fine_tuned_lora_name", ((f"{_LORA}.utils", MOVED_IN), ("vllm.lora.utils", None)), False, "checking staged tensor names"
+        "parse_fine_tuned_lora_name", (("vllm.lora.utils", False), (f"{_LORA}.utils", True)), False, "checking staged tensor names"
     ),
     "is_base_embedding_weights": Name(
-        "is_base_embedding_weights", ((f"{_LORA}.utils", MOVED_IN), ("vllm.lora.utils", None)), False, "skipping base embedding weights"
+        "is_base_embedding_weights", (("vllm.lora.utils", False), (f"{_LORA}.utils", True)), False, "skipping base embedding weights"
     ),
     "LoRAModel": Name(
-        "LoRAModel", ((f"{_LORA}.lora_model", MOVED_IN), ("vllm.lora.lora_model", None)), False, "skipping modules as vLLM's disk loader does"
+        "LoRAModel", (("vllm.lora.lora_model", False), (f"{_LORA}.lora_model", True)), False, "skipping modules as vLLM's disk loader does"
     ),
     "_is_remote_expert_key": Name(
         "_is_remote_expert_key",
-        ((f"{_LORA}.lora_model", MOVED_IN), ("vllm.lora.lora_model", None)),
+        (("vllm.lora.lora_model", False), (f"{_LORA}.lora_model", True)),
         False,
         "skipping other expert-parallel ranks' experts as vLLM's disk loader does",
     ),
@@ -108,14 +116,21 @@ def vllm_version() -> tuple[int, ...] | None:
     return tuple(int(p or 0) for p in match.groups()) if match else None
 
 
-def order(name: Name, version: tuple[int, ...] | None) -> list[str]:
-    """The modules to try for ``name`` on vLLM ``version``: the homes its gate admits first."""
-    admitted = [m for m, since in name.homes if since is None or (version is not None and version >= since)]
-    if not name.public:
-        # A private name: the newest module the version admits goes first.
-        gated = sorted((since or (), m) for m, since in name.homes if m in admitted)
-        admitted = [m for _, m in reversed(gated)]
-    return admitted + [m for m, _ in name.homes if m not in admitted]
+def moved_layout() -> bool:
+    """Whether the installed vLLM has the moved layout (:data:`MOVED_PACKAGE` exists)."""
+    try:
+        return importlib.util.find_spec(MOVED_PACKAGE) is not None
+    except (ImportError, ValueError):  # a parent package is missing (every release through 0.34)
+        return False
+
+
+def order(name: Name, moved: bool) -> list[str]:
+    """The modules to try for ``name``: a public name's documented home first; a private name's
+    modules of the installed layout (``moved``, see :func:`moved_layout`) first, the others after."""
+    homes = [m for m, _ in name.homes]
+    if name.public:
+        return homes
+    return [m for m, in_moved in name.homes if in_moved == moved] + [m for m, in_moved in name.homes if in_moved != moved]
 
 
 @functools.cache
@@ -138,7 +153,7 @@ def resolve(key: str) -> Any:
         ) from exc
     version = vllm_version()
     tried = []
-    for module_name in order(name, version):
+    for module_name in order(name, moved_layout()):
         try:
             module = importlib.import_module(module_name)
         except ImportError as exc:

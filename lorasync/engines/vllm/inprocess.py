@@ -366,6 +366,7 @@ class VLLMInProcessEngine(StepDriver, Engine):
                 url=self.url,
                 adapter=name,
             )
+        self._frontend.check_name_free(name, kind=self.kind, url=self.url, version=version_text())  # vLLM < 0.34: one name, one id
         asleep = yield Step("is_sleeping")
         if asleep:
             raise EngineUnavailableError(

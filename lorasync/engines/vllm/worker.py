@@ -222,7 +222,7 @@ def _not_found(lora_name: str, lora_path: str) -> Exception:
 
 
 def _load_staged(manager: Any, lora_request: Any, token: str) -> Any:
-    # Mirrors vLLM 0.32 WorkerLoRAManager._load_adapter / LoRAModel.from_local_checkpoint with
+    # Mirrors vLLM 0.32-0.34 WorkerLoRAManager._load_adapter / LoRAModel.from_local_checkpoint with
     # the tensors and config taken from the staging area instead of a directory.
     from lorasync.engines.vllm._surface import resolve  # vLLM's names, wherever this release keeps them
 
@@ -243,7 +243,9 @@ def _load_staged(manager: Any, lora_request: Any, token: str) -> Any:
     model = adapter_manager.model
     mapper = _lora_compat.rename_mapper(rules, model)
     skip_prefixes = getattr(model, "lora_skip_prefixes", None)
-    unexpected = _unexpected_modules(tensors, _expected_modules(adapter_manager), mapper, skip_prefixes, peft_helper)
+    # 0.34 also refuses factors of layers it does not wrap (BERT's pooler.dense); none before.
+    unsupported = getattr(adapter_manager, "unsupported_lora_modules", None)
+    unexpected = _unexpected_modules(tensors, _expected_modules(adapter_manager), mapper, skip_prefixes, peft_helper, unsupported)
     if unexpected:
         raise ValueError(
             f"While loading {lora_request.lora_path}, expected target modules in {_expected_modules(adapter_manager)} but "
@@ -289,11 +291,14 @@ def _expected_modules(adapter_manager: Any) -> set[str]:
     return expected
 
 
-def _unexpected_modules(tensors: dict[str, torch.Tensor], expected: set[str], mapper: Any, skip_prefixes: Any, peft_helper: Any) -> list[str]:
+def _unexpected_modules(
+    tensors: dict[str, torch.Tensor], expected: set[str], mapper: Any, skip_prefixes: Any, peft_helper: Any, unsupported: Any = None
+) -> list[str]:
     """The modules vLLM's ``LoRAModel.from_local_checkpoint`` refuses (its ``check_unexpected_modules``):
     base embeddings, PEFT's fused ``base_layer`` factors and skipped prefixes pass; an expert
     module is checked by its name from ``experts`` on (``experts.3.gate_proj``), any other by its
-    last segment (or as a ``modules_to_save`` entry)."""
+    last segment (or as a ``modules_to_save`` entry); from 0.34 a module vLLM matched but did not
+    wrap (``unsupported``, its ``unsupported_lora_modules``) is refused by its full name too."""
     from lorasync.engines.vllm._surface import resolve  # vLLM's names, wherever this release keeps them
 
     LoRAModel = resolve("LoRAModel")  # noqa: N806 - vLLM's class
@@ -312,6 +317,8 @@ def _unexpected_modules(tensors: dict[str, torch.Tensor], expected: set[str], ma
                 unexpected.append(module_name)
         elif module_name.rsplit(".", 1)[-1] not in expected and module_name.rsplit(".", 1)[-1] not in (peft_helper.modules_to_save or ()):
             unexpected.append(module_name)
+        elif module_name in (unsupported or ()):
+            unexpected.append(f"{module_name} (not a LoRA layer)")
     return unexpected
 
 
