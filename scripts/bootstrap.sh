@@ -1,8 +1,21 @@
 #!/usr/bin/env bash
-# Create .venv with lorasync and everything its tests, demo and benchmarks need.
-# Idempotent: a second run only re-installs lorasync itself.
+# Create .venv with lorasync and what its demo, recipes and benchmarks need (torch, peft,
+# transformers, TRL, ...). With --test (scripts/test.sh and scripts/test-fast.sh pass it) also the
+# test extras: pytest, DeepSpeed, Ray, ... Those stay out of a user's setup: DeepSpeed, once
+# installed, prints "Setting accelerator to CPU" whenever transformers is imported on a machine
+# without a GPU, in every script of the user's.
+# Idempotent: a second run only re-installs lorasync itself (and adds the test extras for --test).
+#   bash scripts/bootstrap.sh [--test]
 set -euo pipefail
 cd "$(dirname "$0")/.."
+USER_EXTRAS="trl,bench"
+TEST_EXTRAS="trl,bench,test"
+extras="$USER_EXTRAS"
+case "${1:-}" in
+  "") ;;
+  --test) extras="$TEST_EXTRAS" ;;
+  *) echo "usage: bash scripts/bootstrap.sh [--test]   (--test: also the test extras, for scripts/test.sh)" >&2; exit 2 ;;
+esac
 PY="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
@@ -36,8 +49,12 @@ if ! .venv/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+
 else
   step "2/4 torch 2.13.0 already installed"
 fi
-step "3/4 lorasync (editable) with the test and bench extras: peft, transformers, TRL, deepspeed, pytest..."
-quiet .venv/bin/python -m pip install -q -e ".[test,bench]" "torch==2.13.0"
+if [ "$extras" = "$TEST_EXTRAS" ]; then
+  step "3/4 lorasync (editable) with the TRL, bench and test extras: peft, transformers, TRL, deepspeed, pytest, ray..."
+else
+  step "3/4 lorasync (editable) with the TRL and bench extras: peft, transformers, TRL, accelerate, datasets..."
+fi
+quiet .venv/bin/python -m pip install -q -e ".[$extras]" "torch==2.13.0"
 step "4/4 checking the environment"
 .venv/bin/python -m pip check >/dev/null 2>&1 || { echo "[bootstrap] pip check reports conflicts:" >&2; .venv/bin/python -m pip check >&2 || true; }
 .venv/bin/python -c "import lorasync, torch, peft, transformers; print('lorasync', lorasync.__version__, 'torch', torch.__version__, 'peft', peft.__version__)"

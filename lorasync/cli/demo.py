@@ -57,6 +57,7 @@ def _main(args: argparse.Namespace) -> int:
     if args.make_base:
         from lorasync.testing import make_tiny_model
 
+        _quiet_deepspeed_banner()  # save_pretrained imports accelerate, which imports deepspeed where installed
         make_tiny_model(args.make_base)
         emit({"ok": True, "base": args.make_base}, as_json=args.json, text=f"tiny base model written to {args.make_base}", quiet=args.quiet)
         return 0

@@ -65,7 +65,9 @@ VLLM_URL = "http://127.0.0.1:8000"
 
 def _param(block: Block) -> Any:
     # Blocks that need the real vLLM carry the suite's `vllm` mark: `-m "not vllm"` skips them.
-    needs_vllm = any(block.marker(m) is not None for m in ("vllm", "vllm-venv")) or "vllm.entrypoints" in block.code
+    # A block that starts a server itself (`vllm serve`, or the module it runs) needs one too.
+    starts_vllm = "vllm.entrypoints" in block.code or re.search(r"\bvllm\S*\s+serve\b", block.code) is not None
+    needs_vllm = any(block.marker(m) is not None for m in ("vllm", "vllm-venv")) or starts_vllm
     return pytest.param(block, id=block.id, marks=[pytest.mark.vllm] if needs_vllm else [])
 
 

