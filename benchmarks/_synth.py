@@ -11,7 +11,7 @@ import torch
 
 from benchmarks._shapes import VLLM_FUSED, ModelShape, resolve_scope
 from lorasync import Adapter, AdapterConfig
-from lorasync._keys import peft_key
+from lorasync.adapter._keys import peft_key
 
 __all__ = ["synth_adapter", "synth_base_dir", "synth_base_tensors"]
 

@@ -43,7 +43,7 @@ from benchmarks._harness import (
 from benchmarks._shapes import ModelShape
 from benchmarks._synth import synth_adapter
 from lorasync import Fleet, Publisher
-from lorasync._fleet_hash import WORKERS
+from lorasync.fleet._hash import WORKERS
 
 __all__ = ["run"]
 

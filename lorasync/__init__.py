@@ -14,17 +14,17 @@ import importlib as _importlib
 import typing as _typing
 
 if _typing.TYPE_CHECKING:
-    from lorasync._adapter import Adapter
-    from lorasync._api import apublish_adapter, publish_adapter
-    from lorasync._config import AdapterConfig
-    from lorasync._fleet import Fleet
-    from lorasync._fleet_plan import FleetReport, TenantReport
-    from lorasync._tenant import Tenant
-    from lorasync._probe import Probe
-    from lorasync._publish import Publisher
-    from lorasync._report import EngineResult, PublishReport
-    from lorasync._retention import Retention, RetentionWarning
-    from lorasync._retry import RetryPolicy
+    from lorasync.adapter._adapter import Adapter
+    from lorasync.publisher._api import apublish_adapter, publish_adapter
+    from lorasync.adapter._config import AdapterConfig
+    from lorasync.fleet._fleet import Fleet
+    from lorasync.fleet._plan import FleetReport, TenantReport
+    from lorasync.fleet._tenant import Tenant
+    from lorasync.adapter._probe import Probe
+    from lorasync.publisher._publisher import Publisher
+    from lorasync.publisher._report import EngineResult, PublishReport
+    from lorasync.publisher._retention import Retention, RetentionWarning
+    from lorasync.runtime._retry import RetryPolicy
     from lorasync.errors import LoraSyncError
     from lorasync.transports import BaseWeights
 
@@ -32,23 +32,23 @@ __version__ = "0.1.0"
 
 # public name -> module defining it
 _LAZY = {
-    "Adapter": "lorasync._adapter",
-    "AdapterConfig": "lorasync._config",
+    "Adapter": "lorasync.adapter._adapter",
+    "AdapterConfig": "lorasync.adapter._config",
     "BaseWeights": "lorasync.transports",
-    "EngineResult": "lorasync._report",
-    "Fleet": "lorasync._fleet",
-    "FleetReport": "lorasync._fleet_plan",
+    "EngineResult": "lorasync.publisher._report",
+    "Fleet": "lorasync.fleet._fleet",
+    "FleetReport": "lorasync.fleet._plan",
     "LoraSyncError": "lorasync.errors",
-    "Probe": "lorasync._probe",
-    "PublishReport": "lorasync._report",
-    "Publisher": "lorasync._publish",
-    "Retention": "lorasync._retention",
-    "RetentionWarning": "lorasync._retention",
-    "RetryPolicy": "lorasync._retry",
-    "Tenant": "lorasync._tenant",
-    "TenantReport": "lorasync._fleet_plan",
-    "apublish_adapter": "lorasync._api",
-    "publish_adapter": "lorasync._api",
+    "Probe": "lorasync.adapter._probe",
+    "PublishReport": "lorasync.publisher._report",
+    "Publisher": "lorasync.publisher._publisher",
+    "Retention": "lorasync.publisher._retention",
+    "RetentionWarning": "lorasync.publisher._retention",
+    "RetryPolicy": "lorasync.runtime._retry",
+    "Tenant": "lorasync.fleet._tenant",
+    "TenantReport": "lorasync.fleet._plan",
+    "apublish_adapter": "lorasync.publisher._api",
+    "publish_adapter": "lorasync.publisher._api",
 }
 
 __all__ = [

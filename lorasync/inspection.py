@@ -5,7 +5,7 @@ tensor data, no pickle) and returns, per engine, whether it would load the adapt
 would scale it — the problems that otherwise surface as a 500 from the engine, or worse as an
 adapter that loads but is scaled differently than in training.
 
-Keys are split by :func:`lorasync._keys.split_saved_key`, SGLang's verdicts come from
+Keys are split by :func:`lorasync.adapter._keys.split_saved_key`, SGLang's verdicts come from
 :mod:`lorasync.engines.sglang.rules` (what its client and the publisher enforce), and
 :meth:`Adapter.load`'s checks run on meta tensors built from the header: whatever lorasync
 refuses, every verdict is ``"refused"``. An unreadable folder raises a typed error (CLI exit 2).
@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from lorasync._adapter import _MAX_HEADER, _SAFETENSORS_DTYPES, ADAPTER_CONFIG, ADAPTER_WEIGHTS, Adapter, extra_weight_files
-from lorasync._config import AdapterConfig
-from lorasync._keys import split_saved_key
-from lorasync._moe import group_experts
-from lorasync._moe_peft import targets_in_keys
+from lorasync.adapter._adapter import _MAX_HEADER, _SAFETENSORS_DTYPES, ADAPTER_CONFIG, ADAPTER_WEIGHTS, Adapter, extra_weight_files
+from lorasync.adapter._config import AdapterConfig
+from lorasync.adapter._keys import split_saved_key
+from lorasync.adapter._moe import group_experts
+from lorasync.adapter._moe_peft import targets_in_keys
 from lorasync.engines.sglang import rules as sglang_rules
 from lorasync.engines.vllm import moe as vllm_moe
 from lorasync.errors import AdapterError, ConfigError, LoraSyncError, ShapeMismatchError, StorageError

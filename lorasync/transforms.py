@@ -21,10 +21,10 @@ from collections.abc import Mapping
 
 import torch
 
-from lorasync._adapter import Adapter
-from lorasync._config import AdapterConfig
-from lorasync._keys import parse_peft_key
-from lorasync._moe import LAYOUT, expert_module, group_experts
+from lorasync.adapter._adapter import Adapter
+from lorasync.adapter._config import AdapterConfig
+from lorasync.adapter._keys import parse_peft_key
+from lorasync.adapter._moe import LAYOUT, expert_module, group_experts
 from lorasync.errors import ConfigError, PaddedRankError, ShapeMismatchError
 
 __all__ = ["complete_experts", "normalize_scaling", "pad_ranks", "trim_rank", "trim_tensor"]

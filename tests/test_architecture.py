@@ -227,14 +227,14 @@ def test_the_checker_sees_what_it_looks_for(tmp_path: Path) -> None:
         "from typing import TYPE_CHECKING\n"
         "from lorasync import errors\n"
         "from . import _keys\n"
-        "if TYPE_CHECKING:\n    from lorasync._publish import Publisher\n"
+        "if TYPE_CHECKING:\n    from lorasync.publisher._publisher import Publisher\n"
         "def f():\n    from lorasync.engines._engine import Engine\n"
     )
     path = PACKAGE / "_config.py"  # a real module's place, so relative imports resolve
     fake = tmp_path / "_config.py"
     fake.write_text(source)
     known = set(_modules())
-    found = _imports("lorasync._config", fake, known)
-    assert path.exists() and found == {"lorasync.errors", "lorasync._keys", "lorasync.engines._engine"}
+    found = _imports("lorasync.adapter._config", fake, known)
+    assert path.exists() and found == {"lorasync.errors", "lorasync.adapter._keys", "lorasync.engines._engine"}
     assert _loops({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _floor("lorasync.engines.sglang.rules") == 4 and _floor("lorasync") == len(FLOORS) - 1

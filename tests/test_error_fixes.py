@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from lorasync._retention import Ledger
-from lorasync._select import choose_transport
+from lorasync.publisher._retention import Ledger
+from lorasync.publisher._select import choose_transport
 from lorasync.engines._engine import Capabilities, Engine
 from lorasync.engines.vllm import VLLMEngine
 from lorasync.errors import CapabilityError, ConfigError, RuntimeLoraDisabledError, StaleVersionError

@@ -1,4 +1,4 @@
-"""PEFT key building/parsing and trainer-name normalisation (lorasync._keys)."""
+"""PEFT key building/parsing and trainer-name normalisation (lorasync.adapter._keys)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lorasync._keys import is_embedding_key, normalize_trainer_key, parse_peft_key, peft_key, split_saved_key
+from lorasync.adapter._keys import is_embedding_key, normalize_trainer_key, parse_peft_key, peft_key, split_saved_key
 from lorasync.errors import InvalidKeyError
 
 WRAPPERS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")

@@ -2,7 +2,7 @@
 
 import pytest
 
-from lorasync._names import parse_served_name, served_name, validate_name, validate_version
+from lorasync.adapter._names import parse_served_name, served_name, validate_name, validate_version
 from lorasync.errors import InvalidNameError
 from lorasync.transports import DiskStore
 

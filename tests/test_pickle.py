@@ -11,8 +11,8 @@ import torch
 
 import lorasync.errors as errors
 from lorasync import Adapter, AdapterConfig
-from lorasync._probe import Probe
-from lorasync._report import EngineResult, PublishReport
+from lorasync.adapter._probe import Probe
+from lorasync.publisher._report import EngineResult, PublishReport
 
 
 def _adapter() -> Adapter:

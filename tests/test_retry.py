@@ -11,7 +11,7 @@ import pytest
 import tenacity
 
 from lorasync import RetryPolicy
-from lorasync._retry import RetryableStatus
+from lorasync.runtime._retry import RetryableStatus
 from lorasync.errors import ConfigError, EngineUnavailableError
 
 REQUEST = httpx.Request("POST", "http://127.0.0.1:8000/v1/load_lora_adapter")

@@ -131,7 +131,7 @@ def _run(specs: list[str], base: str | None, steps: int, name: str, transport: s
     _quiet_deepspeed_banner()
 
     from lorasync import Probe, Publisher
-    from lorasync._names import parse_served_name
+    from lorasync.adapter._names import parse_served_name
     from lorasync.engines import connect
     from lorasync.engines._registry import parse_engine_spec
     from lorasync.exporters.fsdp import export

@@ -12,7 +12,7 @@ leader per node serves every tenant through a node-local :class:`~lorasync.Fleet
 Modules: :mod:`.publisher` (the protocol), :mod:`.fleet` (the multi-LoRA one, reported by
 :mod:`._fleet_report`), :mod:`._roles` (nodes, leaders, agreement checks),
 :mod:`._wire` (adapter, result and error encodings, no pickle), :mod:`._report` (what comes
-back). The JSON collectives are :mod:`lorasync._collectives`, shared with the Megatron exporter.
+back). The JSON collectives are :mod:`lorasync.runtime._collectives`, shared with the Megatron exporter.
 """
 
 from lorasync.distributed._fleet_report import DistributedFleetReport

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from lorasync._collectives import collective_device, decode_json, encode_json
+from lorasync.runtime._collectives import collective_device, decode_json, encode_json
 from lorasync.distributed._wire import decode_error, encode_error
 from lorasync.errors import LoraSyncError, TransportError
 

@@ -7,8 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from lorasync._fleet_plan import FleetReport, TenantReport
-from lorasync._report import PublishReport
+from lorasync.fleet._plan import FleetReport, TenantReport
+from lorasync.publisher._report import PublishReport
 from lorasync.distributed._wire import decode_error, decode_result, encode_error, encode_result
 
 __all__ = ["DistributedFleetReport", "decode_tenants", "encode_tenants"]

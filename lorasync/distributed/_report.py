@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from lorasync._report import EngineResult, PublishReport
+from lorasync.publisher._report import EngineResult, PublishReport
 from lorasync.distributed._wire import decode_error, decode_result, encode_error, encode_result
 from lorasync.errors import LoraSyncError
 

@@ -10,7 +10,7 @@ import os
 import socket
 from typing import Any
 
-from lorasync._names import validate_version
+from lorasync.adapter._names import validate_version
 from lorasync.distributed._wire import decode_error
 from lorasync.errors import ConfigError, LoraSyncError
 
@@ -104,7 +104,7 @@ def check_options(*, src: object, is_leader: object, verify: object, timeout: ob
     """
     import datetime
 
-    from lorasync._probe import Probe
+    from lorasync.adapter._probe import Probe
 
     if isinstance(src, bool) or not isinstance(src, int):
         raise ConfigError(f"src must be the int global rank whose adapter is published, got {src!r} ({type(src).__name__})")

@@ -17,11 +17,11 @@ from typing import Any
 import torch
 
 from lorasync import errors
-from lorasync._adapter import Adapter
-from lorasync._collectives import decode_json, encode_json
-from lorasync._config import AdapterConfig
-from lorasync._probe import Probe
-from lorasync._report import EngineResult
+from lorasync.adapter._adapter import Adapter
+from lorasync.runtime._collectives import decode_json, encode_json
+from lorasync.adapter._config import AdapterConfig
+from lorasync.adapter._probe import Probe
+from lorasync.publisher._report import EngineResult
 from lorasync.errors import LoraSyncError, PublishError, TransportError
 from lorasync.wire.layout import plan
 from lorasync.wire.views import read

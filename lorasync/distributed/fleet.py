@@ -31,13 +31,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from lorasync._adapter import Adapter
-from lorasync._collectives import all_gather_json, collective_device, decode_json, encode_json, gather_json
-from lorasync._digest import PublishDigest
-from lorasync._fleet import Fleet
-from lorasync._fleet_plan import FleetReport, TenantReport
-from lorasync._fleet_round import check_round
-from lorasync._probe import Probe
+from lorasync.adapter._adapter import Adapter
+from lorasync.runtime._collectives import all_gather_json, collective_device, decode_json, encode_json, gather_json
+from lorasync.publisher._digest import PublishDigest
+from lorasync.fleet._fleet import Fleet
+from lorasync.fleet._plan import FleetReport, TenantReport
+from lorasync.fleet._round import check_round
+from lorasync.adapter._probe import Probe
 from lorasync.distributed._agree import agree_on_error
 from lorasync.distributed._fleet_report import DistributedFleetReport, decode_tenants, encode_tenants
 from lorasync.distributed._roles import check_options, default_leader, default_node, leaders_group, resolve
@@ -259,7 +259,7 @@ class DistributedFleet:
         """On ``src``: check the round as :meth:`Fleet.publish` does (before anything is sent),
         fill ``call`` (versions, sizes of the changed tenants, tenants failed here) and serialise
         what changed. Hash and serialisation read the trainer's tensors under one torn-read watch
-        (the publisher's :class:`~lorasync._digest.PublishDigest`): a tenant whose tensors changed
+        (the publisher's :class:`~lorasync.publisher._digest.PublishDigest`): a tenant whose tensors changed
         meanwhile fails alone, and nothing of a mix of two steps crosses."""
         from lorasync.exporters.fsdp import export
 

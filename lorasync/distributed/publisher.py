@@ -32,13 +32,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from lorasync._adapter import Adapter
-from lorasync._collectives import all_gather_json, collective_device, decode_json, encode_json, gather_json
-from lorasync._names import served_name, validate_name, validate_version
-from lorasync._probe import Probe
-from lorasync._publish import Publisher
-from lorasync._select import TRANSPORTS
-from lorasync._report import EngineResult
+from lorasync.adapter._adapter import Adapter
+from lorasync.runtime._collectives import all_gather_json, collective_device, decode_json, encode_json, gather_json
+from lorasync.adapter._names import served_name, validate_name, validate_version
+from lorasync.adapter._probe import Probe
+from lorasync.publisher._publisher import Publisher
+from lorasync.publisher._select import TRANSPORTS
+from lorasync.publisher._report import EngineResult
 from lorasync.distributed._agree import agree_on_error
 from lorasync.distributed._report import DistributedPublishReport, NodeResult, decode_node, encode_node
 from lorasync.distributed._roles import check_options, default_leader, default_node, leaders_group, resolve, version_mismatch

@@ -34,13 +34,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from lorasync._loop import to_thread
+from lorasync.runtime._loop import to_thread
 from lorasync.errors import CapabilityError, IncompatibleAdapterError, LoraNotEnabledError, RankTooLargeError
 
 if TYPE_CHECKING:
     import torch
 
-    from lorasync._adapter import Adapter
+    from lorasync.adapter._adapter import Adapter
 
 __all__ = ["IN_PROCESS_MARK", "Capabilities", "Engine", "is_in_process_id"]
 
@@ -284,7 +284,7 @@ class Engine:
         """The event loop this engine's calls must run on (an AsyncLLM's), or None (any loop)."""
         return None
 
-    # -- async twins (default: the sync method in a daemon worker thread, lorasync._loop.to_thread) --
+    # -- async twins (default: the sync method in a daemon worker thread, lorasync.runtime._loop.to_thread) --
 
     async def acapabilities(self) -> Capabilities:
         return await to_thread(self.capabilities)

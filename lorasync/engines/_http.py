@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 
 import httpx
 
-from lorasync._retry import RetryableStatus, RetryPolicy
+from lorasync.runtime._retry import RetryableStatus, RetryPolicy
 from lorasync.engines._engine import Engine
 from lorasync.engines._credentials import Credentials
 from lorasync.engines._deadline import DEADLINE as _DEADLINE
@@ -303,7 +303,7 @@ class HTTPEngine(Engine):
         Raises:
             IncompatibleAdapterError: extra weight files in ``path``.
         """
-        from lorasync._adapter import extra_weight_files
+        from lorasync.adapter._adapter import extra_weight_files
 
         extras = extra_weight_files(path) if os.path.isdir(path) else []
         if extras:

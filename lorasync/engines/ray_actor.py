@@ -48,8 +48,8 @@ from lorasync.errors import (
 if TYPE_CHECKING:
     import numpy as np
 
-    from lorasync._adapter import Adapter
-    from lorasync._config import AdapterConfig
+    from lorasync.adapter._adapter import Adapter
+    from lorasync.adapter._config import AdapterConfig
 
 __all__ = ["EngineHost", "RayEngine"]
 
@@ -354,7 +354,7 @@ class _Packed:
 
 
 def _unpack(buffer: np.ndarray, config: AdapterConfig) -> Adapter:
-    from lorasync._adapter import Adapter
+    from lorasync.adapter._adapter import Adapter
     from lorasync.wire.views import read
 
     tensors, _ = read(buffer, what="adapter from Ray's object store")

@@ -11,7 +11,7 @@ error instead of being read as the empty local shards they are.
 
 PEFT ``target_parameters`` LoRA on transformers-5 fused experts (``mlp.experts.gate_up_proj`` /
 ``down_proj``, and the router's ``mlp.gate.weight``) leaves as one LoRA pair per expert
-(:mod:`lorasync._moe` has the layout and its inverse): exactly what PEFT computes, in the keys
+(:mod:`lorasync.adapter._moe` has the layout and its inverse): exactly what PEFT computes, in the keys
 vLLM, SGLang and Megatron-Bridge use.
 """
 
@@ -24,11 +24,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from lorasync._adapter import Adapter
-from lorasync._config import AdapterConfig
-from lorasync._keys import normalize_trainer_key, parse_peft_key
-from lorasync._moe import LAYOUT, parse_expert_module
-from lorasync._moe_peft import convert, split_peft_config, targets_in_model
+from lorasync.adapter._adapter import Adapter
+from lorasync.adapter._config import AdapterConfig
+from lorasync.adapter._keys import normalize_trainer_key, parse_peft_key
+from lorasync.adapter._moe import LAYOUT, parse_expert_module
+from lorasync.adapter._moe_peft import convert, split_peft_config, targets_in_model
 from lorasync.errors import ConfigError, ExportError, UnknownAdapterNameError
 from lorasync.transforms import trim_rank
 

@@ -41,10 +41,10 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from lorasync._probe import Probe, check_atol, check_max_tokens
-from lorasync._publish import Publisher
-from lorasync._report import PublishReport
-from lorasync._retention import _count
+from lorasync.adapter._probe import Probe, check_atol, check_max_tokens
+from lorasync.publisher._publisher import Publisher
+from lorasync.publisher._report import PublishReport
+from lorasync.publisher._retention import _count
 from lorasync.engines._engine import Engine
 from lorasync.errors import BlockingCallError, ConfigError, LoraSyncError
 from lorasync.exporters.fsdp import export

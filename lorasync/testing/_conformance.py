@@ -25,9 +25,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from lorasync._adapter import Adapter
-from lorasync._config import AdapterConfig
-from lorasync._keys import peft_key
+from lorasync.adapter._adapter import Adapter
+from lorasync.adapter._config import AdapterConfig
+from lorasync.adapter._keys import peft_key
 from lorasync.engines._engine import Capabilities, Engine
 from lorasync.errors import (
     AdapterAlreadyLoadedError,

@@ -21,7 +21,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from lorasync._adapter import ADAPTER_CONFIG, Adapter
+from lorasync.adapter._adapter import ADAPTER_CONFIG, Adapter
 from lorasync.engines._engine import Capabilities, Engine
 from lorasync.engines._inflight import InFlight
 from lorasync.errors import (

@@ -7,7 +7,7 @@ take the blocked float32 path below, bit for bit as before.
 MoE experts: a per-expert module (``mlp.experts.3.gate_proj``) folds into
 ``<module>.weight`` when the base has it (a checkpoint on disk), else into its rows of the fused
 3-D parameter (``mlp.experts.gate_up_proj[3, :I]``, the transformers-5 model's own tensors), which
-then travels whole, with every expert of it (:func:`lorasync._moe.fused_rows`).
+then travels whole, with every expert of it (:func:`lorasync.adapter._moe.fused_rows`).
 
 Fan-out: :class:`SharedFold` runs one fold for every engine of a publish that needs the same
 buckets (same adapter, same modules to restore, same fused layout) and hands each bucket to all
@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from lorasync._adapter import Adapter
-from lorasync._moe import fused_rows
+from lorasync.adapter._adapter import Adapter
+from lorasync.adapter._moe import fused_rows
 from lorasync.transports._base_weights import BaseWeights
 from lorasync.transports._fold_gpu import fold_fused
 

@@ -23,8 +23,8 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
-from lorasync._adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-from lorasync._names import validate_name
+from lorasync.adapter._adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from lorasync.adapter._names import validate_name
 from lorasync.errors import ConfigError, InvalidNameError, StorageError
 from lorasync.transports._fsutil import is_version_name, listdir_at, open_dir, opened, read_at, remove_tree_at, remove_version, try_lock, write_private
 from lorasync.transports._trust import check_folder, describe_open_error, folders, make_folder

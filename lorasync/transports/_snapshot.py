@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from lorasync._adapter import Adapter
+from lorasync.adapter._adapter import Adapter
 from lorasync.engines._engine import is_in_process_id
 
 if TYPE_CHECKING:

@@ -41,8 +41,8 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 
-from lorasync._adapter import Adapter
-from lorasync._names import validate_name, validate_version
+from lorasync.adapter._adapter import Adapter
+from lorasync.adapter._names import validate_name, validate_version
 from lorasync.errors import ConfigError, PublishError, StorageError
 from lorasync.transports._fsutil import errno_of, remove_tree_at, remove_version
 from lorasync.transports._layout import HOLDERS, META, OWNER_LOCK, begin_run, end_run_at, put_holders, read_version_file, runs_at, seal_version, sweep_dead_runs, take_run

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, TypeVar
 
 if TYPE_CHECKING:
-    from lorasync._adapter import Adapter
+    from lorasync.adapter._adapter import Adapter
     from lorasync.engines._engine import Capabilities, Engine
 
 __all__ = ["Delivery", "Transport", "finish"]

@@ -12,7 +12,7 @@ from lorasync.transports._transport import Delivery, Transport
 from lorasync.transports._store import DiskStore
 
 if TYPE_CHECKING:
-    from lorasync._adapter import Adapter
+    from lorasync.adapter._adapter import Adapter
     from lorasync.engines._engine import Capabilities, Engine
 
 __all__ = ["DiskTransport"]

@@ -19,7 +19,7 @@ from lorasync.transports._transport import Delivery, Transport
 from lorasync.wire.shm import SegmentScope, sharing
 
 if TYPE_CHECKING:
-    from lorasync._adapter import Adapter
+    from lorasync.adapter._adapter import Adapter
     from lorasync.engines._engine import Capabilities, Engine
 
 __all__ = ["IPCTransport"]

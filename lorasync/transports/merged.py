@@ -37,7 +37,7 @@ from lorasync.transports._fold import SharedFold, fold_buckets
 from lorasync.transports._snapshot import owned_copy
 
 if TYPE_CHECKING:
-    from lorasync._adapter import Adapter
+    from lorasync.adapter._adapter import Adapter
     from lorasync.engines._engine import Capabilities, Engine
 
 __all__ = ["MergedTransport"]

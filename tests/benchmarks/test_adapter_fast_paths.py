@@ -13,7 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from lorasync import Adapter, AdapterConfig
-from lorasync._adapter import _canonical_config
+from lorasync.adapter._adapter import _canonical_config
 
 
 def _adapter(dtype=torch.bfloat16, *, odd=False):

@@ -39,7 +39,7 @@ def test_help_and_version_import_no_heavy_module(argv: list[str]) -> None:
 
 def test_import_lorasync_is_lazy_and_names_still_resolve() -> None:
     out = _fresh_python(f"import sys, lorasync\nprint(sorted(m for m in {HEAVY!r} if m in sys.modules))\nprint(lorasync.Publisher.__module__)")
-    assert out.split("\n")[:2] == ["[]", "lorasync._publish"]
+    assert out.split("\n")[:2] == ["[]", "lorasync.publisher._publisher"]
 
 
 def _json(capsys: pytest.CaptureFixture[str], argv: list[str]) -> tuple[int, Any]:
@@ -177,7 +177,7 @@ def test_retries_are_logged_at_info(caplog: pytest.LogCaptureFixture) -> None:
 
     with caplog.at_level("INFO", logger="lorasync"):
         assert RetryPolicy(attempts=3, backoff=0.001, backoff_max=0.001, jitter=0.0).retrying()(flaky) == "ok"
-    lines = [r.getMessage() for r in caplog.records if r.name == "lorasync._retry"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "lorasync.runtime._retry"]
     assert len(lines) == 2 and "ConnectError: engine restarting" in lines[0] and "retrying in" in lines[0]
 
 

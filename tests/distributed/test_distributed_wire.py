@@ -13,7 +13,7 @@ from safetensors.torch import load
 
 from lorasync import Probe
 from lorasync.distributed._wire import decode_adapter, decode_error, decode_result, encode_error, encode_result
-from lorasync._report import EngineResult
+from lorasync.publisher._report import EngineResult
 from lorasync.distributed import DistributedPublisher, encode_adapter
 from lorasync.distributed._roles import resolve as _resolve
 from lorasync.errors import (

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from lorasync import Adapter, AdapterConfig, Publisher
-from lorasync._keys import peft_key
-from lorasync._moe import LAYOUT, split
+from lorasync.adapter._keys import peft_key
+from lorasync.adapter._moe import LAYOUT, split
 from lorasync.engines._engine import Capabilities
 from lorasync.engines.sglang import SGLangEngine
 from lorasync.engines.sglang.rules import served_leaves

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lorasync import Adapter, AdapterConfig
-from lorasync._keys import peft_key
+from lorasync.adapter._keys import peft_key
 from lorasync.engines import Capabilities, connect
 from lorasync.engines.peft import PeftEngine
 from lorasync.errors import (

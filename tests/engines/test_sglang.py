@@ -23,7 +23,7 @@ import torch
 
 import lorasync
 from lorasync import Adapter
-from lorasync._retry import RetryPolicy
+from lorasync.runtime._retry import RetryPolicy
 from lorasync.engines import connect
 from lorasync.engines.sglang import SGLangEngine
 from lorasync.errors import (

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from lorasync import Publisher
-from lorasync._retry import RetryPolicy
+from lorasync.runtime._retry import RetryPolicy
 from lorasync.engines.sglang import SGLangEngine
 from lorasync.engines.sglang import tensors as tensor_loads
 from lorasync.engines.sglang.protocol import sha256

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lorasync import Adapter, AdapterConfig
-from lorasync._keys import peft_key
+from lorasync.adapter._keys import peft_key
 from lorasync.engines._http import Call
 from lorasync.engines.sglang import SGLangEngine, pad_ranks, served_leaves
 from lorasync.errors import (

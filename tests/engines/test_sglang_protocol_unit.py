@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lorasync import Adapter, AdapterConfig
-from lorasync._keys import peft_key
+from lorasync.adapter._keys import peft_key
 from lorasync.engines._http import Call
 from lorasync.engines.sglang import SGLangEngine
 from lorasync.errors import AdapterRejectedError, CapabilityError, CapacityError, EngineError

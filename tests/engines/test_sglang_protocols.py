@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from lorasync import Adapter, Publisher
-from lorasync._retry import RetryPolicy
+from lorasync.runtime._retry import RetryPolicy
 from lorasync.engines.sglang import SGLangEngine, pad_ranks
 from lorasync.errors import AdapterAlreadyLoadedError, CapacityError, ConfigError, EngineError
 from lorasync.testing import make_peft_model, make_tiny_model

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lorasync import Adapter, AdapterConfig
-from lorasync._keys import peft_key
+from lorasync.adapter._keys import peft_key
 from lorasync.engines._engine import Capabilities
 from lorasync.engines._hosts import is_same_host
 from lorasync.engines.sglang import SGLangEngine

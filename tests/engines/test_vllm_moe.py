@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from lorasync import Adapter
-from lorasync._keys import peft_key
+from lorasync.adapter._keys import peft_key
 from lorasync.testing import make_moe_case
 
 pytestmark = pytest.mark.vllm

@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lorasync import Adapter, BaseWeights, Publisher
-from lorasync._moe import LAYOUT, fuse, split
+from lorasync.adapter._moe import LAYOUT, fuse, split
 from lorasync.engines import connect
 from lorasync.errors import ExpertLayoutError, PaddedRankError
 from lorasync.exporters.fsdp import export

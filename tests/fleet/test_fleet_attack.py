@@ -83,7 +83,7 @@ def test_a_failed_load_leaves_the_previous_version_serving_when_the_engine_has_f
 
 
 def test_the_plan_keeps_versions_outside_windows_while_they_fit_and_drops_them_first():
-    from lorasync._fleet_plan import SlotNeed, plan_slots
+    from lorasync.fleet._plan import SlotNeed, plan_slots
 
     needs = [SlotNeed("a", 2, (1,), window=frozenset({2})), SlotNeed("b", 5, (4, 5), window=frozenset({4, 5}))]
     assert plan_slots(needs, capacity=4, foreign=[], where="e") == []

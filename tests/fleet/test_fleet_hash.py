@@ -1,4 +1,4 @@
-"""The fleet's unchanged check (``lorasync._fleet_hash``): its hash is ``Adapter.content_hash``, and
+"""The fleet's unchanged check (``lorasync.fleet._hash``): its hash is ``Adapter.content_hash``, and
 a round that hashes many tenants in threads, and publishes a changed one while it hashes the rest,
 still sees content changed in place after a no-copy export, by writes no version counter sees."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lorasync import Adapter, AdapterConfig, Fleet
-from lorasync._fleet_hash import WORKERS, content_hash
+from lorasync.fleet._hash import WORKERS, content_hash
 from lorasync.exporters.fsdp import export
 from tests.reliability._trust import lora_params, state
 from tests.reliability._trust import served_lora as served

@@ -29,8 +29,8 @@ def test_a_step_landing_in_the_rounds_copy_is_refused_not_served(tiny_model_dir,
     """The optimizer step lands between two tensors of the copy the round takes of a no-copy
     export (the engine takes tensors, so the round publishes an owned copy): the tenant fails with
     AdapterChangedError and its previous version serves on, as a plain Publisher does."""
-    import lorasync._digest
-    import lorasync._fleet_hash
+    import lorasync.publisher._digest
+    import lorasync.fleet._hash
 
     model = trainer(tiny_model_dir, seed=1)
     optimizer = torch.optim.AdamW(lora_params(model), lr=0.05, fused=True)
@@ -54,8 +54,8 @@ def test_a_step_landing_in_the_rounds_copy_is_refused_not_served(tiny_model_dir,
         assert fleet.publish({"a": export(model)}, versions={"a": 1})["a"].status == "loaded"
         step(model, seed=3)
         before_tear = state(model)
-        monkeypatch.setattr(lorasync._fleet_hash, "owned_copy", tearing_copy, raising=False)
-        monkeypatch.setattr(lorasync._digest, "owned_copy", tearing_copy)
+        monkeypatch.setattr(lorasync.fleet._hash, "owned_copy", tearing_copy, raising=False)
+        monkeypatch.setattr(lorasync.publisher._digest, "owned_copy", tearing_copy)
         report = fleet.publish({"a": export(model)}, versions={"a": 2})
         monkeypatch.undo()
         assert torn, "the step never landed in the round's copy"

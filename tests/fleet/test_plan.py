@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lorasync._fleet_plan import SlotNeed, plan_slots
+from lorasync.fleet._plan import SlotNeed, plan_slots
 from lorasync.errors import CapacityError
 
 

@@ -135,7 +135,7 @@ def gpu_adapter(model: Any) -> Any:
     keys and config, the parameters themselves.
     """
     from lorasync import Adapter
-    from lorasync._keys import normalize_trainer_key
+    from lorasync.adapter._keys import normalize_trainer_key
     from lorasync.exporters.fsdp import export
 
     exported = export(model)

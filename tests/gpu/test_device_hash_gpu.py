@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from lorasync import Adapter
-from lorasync._config import AdapterConfig
+from lorasync.adapter._config import AdapterConfig
 from lorasync.wire import device_hash
 
 

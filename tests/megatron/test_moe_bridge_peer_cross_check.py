@@ -6,7 +6,7 @@ Qwen3-MoE in Megatron-Bridge with fused ``LoRA`` on attention, SequentialMLP exp
 router, at expert parallelism 2 and 1, gives it random adapter values, exports it with
 ``megatron.export`` and keeps Megatron's own logits. This side puts the same factors into a PEFT
 ``target_parameters`` LoRA over the HF checkpoint (experts fused the way transformers 5 holds
-them, ``lorasync._moe.fuse``), exports that with ``fsdp.export`` and checks: the two Adapters
+them, ``lorasync.adapter._moe.fuse``), exports that with ``fsdp.export`` and checks: the two Adapters
 hold the same tensors bit for bit, and HF+PEFT with the fused LoRA computes Megatron's logits.
 Grouped-GEMM experts have no CPU kernel in TransformerEngine; ``test_moe_cross_check.py`` covers
 them with spec-built shards. Skips without the venv (fails under ``LORASYNC_REQUIRE_MEGATRON=1``).
@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from lorasync import Adapter
-from lorasync._moe import LAYOUT, fuse, group_experts
+from lorasync.adapter._moe import LAYOUT, fuse, group_experts
 from lorasync.exporters.fsdp import export
 
 from test_megatron_bridge_peer import DENSE, _case, run_peer

@@ -115,7 +115,7 @@ def test_settled_inside_the_loop_that_runs_it_says_what_to_do(tmp_path):
 
 
 def test_a_stuck_retirement_never_holds_the_next_publish(tmp_path, monkeypatch):
-    import lorasync._aftercare as aftercare
+    import lorasync.publisher._aftercare as aftercare
 
     monkeypatch.setattr(aftercare, "SETTLE_WAIT_S", 0.3)
     release = threading.Event()

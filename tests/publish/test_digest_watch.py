@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from lorasync import Adapter, AdapterConfig
-from lorasync._digest import PublishDigest
+from lorasync.publisher._digest import PublishDigest
 
 
 def _adapter(first: torch.Tensor) -> Adapter:
@@ -38,7 +38,7 @@ def test_a_watch_over_trained_tensors_sees_each_write():
 def test_a_step_frame_is_found_on_its_stack_and_an_unreadable_stack_counts_as_running():
     import sys
 
-    from lorasync._digest import _on_stack
+    from lorasync.publisher._digest import _on_stack
 
     here = sys._getframe()
 
@@ -58,7 +58,7 @@ def test_a_step_frame_is_found_on_its_stack_and_an_unreadable_stack_counts_as_ru
 def test_an_optimizer_whose_step_raised_is_forgotten_by_the_next_publish():
     """torch runs no post hook when a step raises: the step's frame is gone, so a later publish's
     watch must not see that optimizer stepping for ever (the walk above decides it)."""
-    from lorasync._digest import _STEPS, watch_optimizer_steps
+    from lorasync.publisher._digest import _STEPS, watch_optimizer_steps
 
     class Failing(torch.optim.SGD):
         def step(self, closure=None):

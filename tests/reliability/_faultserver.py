@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lorasync._names import parse_served_name
+from lorasync.adapter._names import parse_served_name
 
 __all__ = ["FAULTS", "Fault", "FaultServer", "Loaded"]
 
@@ -453,7 +453,7 @@ class FaultServer:
 
 def _read_version(directory: Path) -> tuple[str | None, str | None]:
     """Read a version directory like an engine; ``(problem, content_hash)``."""
-    from lorasync._adapter import Adapter
+    from lorasync.adapter._adapter import Adapter
     from lorasync.errors import LoraSyncError
 
     try:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from lorasync import Adapter, BaseWeights, Publisher, RetryPolicy
-from lorasync._names import parse_served_name
+from lorasync.adapter._names import parse_served_name
 from lorasync.errors import (
     AdapterRejectedError,
     EngineTimeoutError,

@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-import lorasync._aftercare as aftercare
+import lorasync.publisher._aftercare as aftercare
 from lorasync import Publisher, Retention, RetentionWarning
 from lorasync.errors import (
     BlockingCallError,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import lorasync._adapter
+import lorasync.adapter._adapter
 from lorasync import Publisher
 from lorasync.engines.peft import PeftEngine
 from lorasync.errors import AdapterChangedError
@@ -87,7 +87,7 @@ def test_a_step_during_the_disk_write_pass_leaves_no_torn_version(kind, tiny_mod
     stepping = _stepper(kind, model)
     before = state(model)
     written = []
-    original = lorasync._adapter.raw_bytes
+    original = lorasync.adapter._adapter.raw_bytes
 
     def write_then_step(tensor):  # the write pass takes each tensor's bytes in turn
         written.append(1)
@@ -96,7 +96,7 @@ def test_a_step_during_the_disk_write_pass_leaves_no_torn_version(kind, tiny_mod
         return original(tensor)
 
     with Publisher([engine], name="p", transport="disk", root=tmp_path) as pub:
-        monkeypatch.setattr(lorasync._adapter, "raw_bytes", write_then_step)
+        monkeypatch.setattr(lorasync.adapter._adapter, "raw_bytes", write_then_step)
         report = pub.publish(export(model), version=1).settled()
         monkeypatch.undo()
         served = served_lora(engine, "p@v1")

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lorasync import Adapter
-from lorasync._config import AdapterConfig
+from lorasync.adapter._config import AdapterConfig
 from lorasync.wire import device_hash
 
 

@@ -5,7 +5,7 @@ A dense module (``nn.Linear``, ``nn.Embedding``) is a ``target_modules`` entry a
 Adapter's factors as they are. transformers 5 has no per-expert modules: its experts are the
 fused parameters ``mlp.experts.gate_up_proj`` / ``down_proj`` and its router a bare 2-D weight
 (``mlp.gate.weight``), which PEFT adapts through ``target_parameters``. The Adapter's per-expert
-factors are therefore fused back with :func:`lorasync._moe.fuse` (the inverse of what
+factors are therefore fused back with :func:`lorasync.adapter._moe.fuse` (the inverse of what
 ``fsdp.export`` split), the router's taken as they are, and keyed under the ``ParamWrapper``
 modules PEFT built for them, read back from the model after injection rather than guessed.
 """
@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from lorasync._adapter import Adapter
-from lorasync._keys import PEFT_PREFIX, peft_key
-from lorasync._moe import LAYOUT, expert_module, fuse, parse_expert_module
+from lorasync.adapter._adapter import Adapter
+from lorasync.adapter._keys import PEFT_PREFIX, peft_key
+from lorasync.adapter._moe import LAYOUT, expert_module, fuse, parse_expert_module
 from lorasync.errors import IncompatibleAdapterError
 
 _RULES = {leaf: rule for rule in LAYOUT for leaf in rule.leaves}

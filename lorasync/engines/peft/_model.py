@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from lorasync._adapter import ADAPTER_CONFIG, Adapter
-from lorasync._moe import fused_rows
+from lorasync.adapter._adapter import ADAPTER_CONFIG, Adapter
+from lorasync.adapter._moe import fused_rows
 from lorasync.errors import (
     AdapterNotFoundError,
     AdapterRejectedError,

@@ -15,7 +15,7 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
-from lorasync._adapter import Adapter
+from lorasync.adapter._adapter import Adapter
 from lorasync.engines.peft._errors import check_load_result, translated
 from lorasync.engines.peft._inject import plan
 from lorasync.engines.peft._model import KIND, quiet_foreign_warnings

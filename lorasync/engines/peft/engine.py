@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from lorasync._adapter import Adapter
+from lorasync.adapter._adapter import Adapter
 from lorasync.engines._engine import Capabilities, Engine
 from lorasync.engines._inflight import InFlight
 from lorasync.engines.peft._errors import translated

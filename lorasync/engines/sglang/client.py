@@ -30,7 +30,7 @@ import asyncio
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, ClassVar
 
-from lorasync._retry import RetryPolicy
+from lorasync.runtime._retry import RetryPolicy
 from lorasync.engines._engine import Capabilities
 from lorasync.engines._hosts import is_same_host
 from lorasync.engines.sglang import rules
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     import httpx
     import torch
 
-    from lorasync._adapter import Adapter
+    from lorasync.adapter._adapter import Adapter
 
 __all__ = ["SGLangEngine"]
 

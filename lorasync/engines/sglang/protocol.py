@@ -21,7 +21,7 @@ from lorasync.errors import ConfigError
 if TYPE_CHECKING:
     import torch
 
-    from lorasync._adapter import Adapter
+    from lorasync.adapter._adapter import Adapter
 
 __all__ = [
     "CHECKSUMS_SINCE",

@@ -37,12 +37,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from lorasync._moe import group_experts, is_router
+from lorasync.adapter._moe import group_experts, is_router
 from lorasync.errors import IncompatibleAdapterError
 
 if TYPE_CHECKING:
-    from lorasync._adapter import Adapter
-    from lorasync._config import AdapterConfig
+    from lorasync.adapter._adapter import Adapter
+    from lorasync.adapter._config import AdapterConfig
 
 __all__ = [
     "EXPERT_TARGETS",

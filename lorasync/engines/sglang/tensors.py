@@ -51,7 +51,7 @@ if TYPE_CHECKING:
     import httpx
     import torch
 
-    from lorasync._adapter import Adapter
+    from lorasync.adapter._adapter import Adapter
 
 __all__ = ["TensorLoads"]
 

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import httpx
 
-from lorasync._retry import RetryPolicy
+from lorasync.runtime._retry import RetryPolicy
 from lorasync.wire.d2h import to_shm_segment
 from lorasync.engines._engine import Capabilities
 from lorasync.engines._hosts import is_same_host
@@ -76,7 +76,7 @@ from lorasync.errors import (
 if TYPE_CHECKING:
     import torch
 
-    from lorasync._adapter import Adapter
+    from lorasync.adapter._adapter import Adapter
 
 __all__ = ["Completion", "VLLMEngine"]  # Completion lives in _bodies; re-exported here
 

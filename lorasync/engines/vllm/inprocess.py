@@ -33,7 +33,7 @@ import uuid
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from lorasync._moe import group_experts
+from lorasync.adapter._moe import group_experts
 from lorasync.engines._engine import Capabilities, Engine
 from lorasync.engines.vllm._frontend import Frontend
 from lorasync.engines.vllm._protocol import CONFIG_KEY, FUSED_MODULES, IPC_PREFIX, WORKER_EXTENSION, CudaStage, ShmStage, one_cuda_device
@@ -52,7 +52,7 @@ from lorasync.errors import (
 )
 
 if TYPE_CHECKING:
-    from lorasync._adapter import Adapter
+    from lorasync.adapter._adapter import Adapter
 
 __all__ = ["VLLMInProcessEngine"]
 

@@ -19,7 +19,7 @@ From vLLM's source (``vllm/lora``):
   ``is_3d_lora_weight=True``; ``_convert_3d_to_2d_moe_lora`` needs both parameters of a layer.
   lorasync sends them only when asked (``moe_lora_format="3d"``) and the engine advertises the
   format (``Capabilities.moe_3d``): :func:`check` refuses otherwise, and :func:`fused_tensors`
-  builds them with the inverse of the export's layout (:func:`lorasync._moe.fuse`).
+  builds them with the inverse of the export's layout (:func:`lorasync.adapter._moe.fuse`).
 * vLLM's CPU build cannot run MoE LoRA (its MoE LoRA kernel is Triton-only): it loads the
   adapter, but serving tokens needs a GPU vLLM.
 """
@@ -31,13 +31,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from lorasync._keys import peft_key
-from lorasync._moe import LAYOUT, RULES, fuse, group_experts, is_router
+from lorasync.adapter._keys import peft_key
+from lorasync.adapter._moe import LAYOUT, RULES, fuse, group_experts, is_router
 from lorasync.engines.vllm._lora_compat import rules_for
 from lorasync.errors import ConfigError, IncompatibleAdapterError
 
 if TYPE_CHECKING:
-    from lorasync._adapter import Adapter
+    from lorasync.adapter._adapter import Adapter
     from lorasync.engines._engine import Capabilities
 
 __all__ = ["FORMATS", "applies_router_lora", "check", "check_format", "fused_tensors", "num_experts_of", "refusals", "violations"]

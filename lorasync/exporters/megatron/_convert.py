@@ -12,9 +12,9 @@ from collections.abc import Mapping
 
 import torch
 
-from lorasync._adapter import Adapter
-from lorasync._config import AdapterConfig
-from lorasync._keys import peft_key
+from lorasync.adapter._adapter import Adapter
+from lorasync.adapter._config import AdapterConfig
+from lorasync.adapter._keys import peft_key
 from lorasync.errors import GeometryError
 from lorasync.exporters.megatron._layout import Geometry, split_fc1, split_qkv
 from lorasync.exporters.megatron._plan import ModulePlan

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from lorasync._adapter import Adapter
-from lorasync._collectives import all_gather_json, collective_device
+from lorasync.adapter._adapter import Adapter
+from lorasync.runtime._collectives import all_gather_json, collective_device
 from lorasync.errors import ConfigError, ExportError, LoraSyncError
 from lorasync.exporters.megatron._convert import Pair, build_adapter, convert_module
 from lorasync.exporters.megatron._layout import Geometry

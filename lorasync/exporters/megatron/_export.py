@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from lorasync._adapter import Adapter
+from lorasync.adapter._adapter import Adapter
 from lorasync.errors import ConfigError, ExportError
 from lorasync.exporters.megatron._convert import build_adapter, convert_module
 from lorasync.exporters.megatron._layout import Geometry

@@ -1,4 +1,4 @@
-"""What a cancelled publish left running on one engine (part of :class:`lorasync._handle.EngineHandle`).
+"""What a cancelled publish left running on one engine (part of :class:`lorasync.publisher._handle.EngineHandle`).
 
 A cancel stops the awaiting, never an engine call already running in its thread: the in-process
 PEFT engine goes on loading under its own lock, which every later call of the engine takes, and
@@ -19,9 +19,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from lorasync._loop import tracked_calls
-from lorasync._names import served_name
-from lorasync._retention import Ledger
+from lorasync.runtime._loop import tracked_calls
+from lorasync.adapter._names import served_name
+from lorasync.publisher._retention import Ledger
 from lorasync.errors import EngineTimeoutError
 
 __all__ = ["CANCELLED_CALL_WAIT_S", "CancelledCalls"]
@@ -30,7 +30,7 @@ log = logging.getLogger("lorasync.publish")
 
 #: How long the next publish waits for the engine calls a cancelled publish left running before
 #: it reports that engine failed: as long as it waits for a stuck retirement
-#: (``lorasync._aftercare.SETTLE_WAIT_S``), never the length of the hang.
+#: (``lorasync.publisher._aftercare.SETTLE_WAIT_S``), never the length of the hang.
 CANCELLED_CALL_WAIT_S = 5.0
 
 

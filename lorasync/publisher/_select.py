@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from lorasync._adapter import Adapter
+from lorasync.adapter._adapter import Adapter
 from lorasync.engines._engine import Capabilities, Engine
 from lorasync.errors import AdapterRejectedError, CapabilityError, ConfigError, LoraNotEnabledError, LoraSyncError, RuntimeLoraDisabledError
 from lorasync.transports._transport import Transport

@@ -19,7 +19,7 @@ most of its time hashing the 15 that did not change.
 * ``xxhash`` releases the GIL while it hashes a buffer, so :func:`scan` hashes tenants in a few
   threads at once; memory bandwidth, not the GIL, then bounds it.
 * Where an engine takes tensors, the hash and the owned copy a round publishes are read under
-  the publish's own torn-read watch (:class:`~lorasync._digest.PublishDigest`, begun before the
+  the publish's own torn-read watch (:class:`~lorasync.publisher._digest.PublishDigest`, begun before the
   first read and handed to the tenant's publish): a step of the trainer's optimizer meanwhile is
   an ``AdapterChangedError`` for that tenant, as for a plain ``Publisher``, never a mix served.
   Where the engine loads files, the check reads under no watch: an equal hash means every byte
@@ -40,8 +40,8 @@ from typing import Any
 
 import torch
 
-from lorasync._adapter import HASH_PREFIX, Adapter, _canonical_config, _hasher, tensor_header
-from lorasync._digest import PublishDigest
+from lorasync.adapter._adapter import HASH_PREFIX, Adapter, _canonical_config, _hasher, tensor_header
+from lorasync.publisher._digest import PublishDigest
 
 __all__ = ["Gate", "HashJob", "content_hash", "scan"]
 
@@ -212,7 +212,7 @@ def _check(job: HashJob) -> tuple[Adapter | None, PublishDigest | None]:
     goes on with: with ``job.copy`` an owned copy and its digest, else the trainer's adapter and
     None (its publish hashes it again in the disk write pass, under a watch of its own).
 
-    The hash and the copy are the publish's own parts (:class:`~lorasync._digest.PublishDigest`),
+    The hash and the copy are the publish's own parts (:class:`~lorasync.publisher._digest.PublishDigest`),
     taken here under its torn-read watch: an optimizer step while they read the trainer's memory
     is an ``AdapterChangedError`` for this tenant, as in a plain ``Publisher``.
     """

@@ -25,8 +25,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from lorasync._names import served_name
-from lorasync._report import EngineResult, PublishReport
+from lorasync.adapter._names import served_name
+from lorasync.publisher._report import EngineResult, PublishReport
 from lorasync.errors import CapacityError, LoraSyncError
 
 __all__ = ["FleetReport", "SlotNeed", "TenantReport", "plan_slots"]

@@ -3,7 +3,7 @@
 nothing may read again are collected.
 
 With ``Retention.background`` (the default) this runs after ``publish`` returned, off the
-critical path (write, load, verify); :class:`lorasync._loop.Background` holds it, and the next
+critical path (write, load, verify); :class:`lorasync.runtime._loop.Background` holds it, and the next
 publish, ``collect`` and ``close`` wait for it before touching any ledger, so it never races them.
 What it finds is still reported: in the publish's :class:`EngineResult` (``retired``,
 ``deferred``, and a ``failed`` status with the error when the engine lost or superseded the new
@@ -30,13 +30,13 @@ import warnings
 from collections.abc import Callable, Coroutine, Generator, Sequence
 from typing import Any
 
-from lorasync._background import Background, Pending
-from lorasync._files import VersionFiles
-from lorasync._handle import EngineHandle
-from lorasync._loop import LoopThread
-from lorasync._names import served_name
-from lorasync._report import EngineResult
-from lorasync._retention import Ledger, Retention, RetentionWarning
+from lorasync.runtime._background import Background, Pending
+from lorasync.publisher._files import VersionFiles
+from lorasync.publisher._handle import EngineHandle
+from lorasync.runtime._loop import LoopThread
+from lorasync.adapter._names import served_name
+from lorasync.publisher._report import EngineResult
+from lorasync.publisher._retention import Ledger, Retention, RetentionWarning
 from lorasync.engines._engine import Engine
 from lorasync.errors import EngineError, LoraSyncError
 from lorasync.transports._transport import Transport

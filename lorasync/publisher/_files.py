@@ -15,8 +15,8 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from lorasync._loop import to_thread
-from lorasync._names import served_name, validate_name, validate_version
+from lorasync.runtime._loop import to_thread
+from lorasync.adapter._names import served_name, validate_name, validate_version
 from lorasync.engines._engine import is_in_process_id
 from lorasync.errors import LoraSyncError
 from lorasync.transports._layout import read_version_file

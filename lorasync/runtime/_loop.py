@@ -1,6 +1,6 @@
 """The publisher's event-loop machinery: its own loop in a daemon thread for sync callers
 (:class:`LoopThread`) and the lock its calls share across loops and threads (:class:`LoopLock`).
-The background phase a publish leaves running is :mod:`lorasync._background`'s.
+The background phase a publish leaves running is :mod:`lorasync.runtime._background`'s.
 
 Blocking engine and file calls run in daemon threads of lorasync's own (:func:`to_thread`,
 :class:`DaemonPool`), never in a thread the interpreter or ``asyncio.run`` joins at its end: a

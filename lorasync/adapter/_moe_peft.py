@@ -1,5 +1,5 @@
 """Where PEFT keeps ``target_parameters`` factors of fused MoE experts, and the conversion of a
-whole adapter into one LoRA per expert (the layout itself is :mod:`lorasync._moe`).
+whole adapter into one LoRA per expert (the layout itself is :mod:`lorasync.adapter._moe`).
 
 Keys: a parameter's factors are saved under its module with one ``.base_layer`` per wrapper
 around it. PEFT nests one ``ParamWrapper`` per targeted parameter of a module, the first one in
@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from lorasync._config import AdapterConfig
-from lorasync._keys import parse_peft_key, peft_key
-from lorasync._moe import LAYOUT, MOE_MODEL_TYPES, RULES, expert_module, model_type_of_class, split
+from lorasync.adapter._config import AdapterConfig
+from lorasync.adapter._keys import parse_peft_key, peft_key
+from lorasync.adapter._moe import LAYOUT, MOE_MODEL_TYPES, RULES, expert_module, model_type_of_class, split
 from lorasync.errors import ExpertLayoutError
 
 __all__ = [

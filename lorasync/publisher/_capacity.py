@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from lorasync._names import parse_served_name, served_name
-from lorasync._retention import Ledger, Retention
+from lorasync.adapter._names import parse_served_name, served_name
+from lorasync.publisher._retention import Ledger, Retention
 from lorasync.engines._engine import Capabilities
 from lorasync.errors import CapacityError
 

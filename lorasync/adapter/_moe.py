@@ -19,7 +19,7 @@ a block-diagonal B, and smaller ranks are padded with zeros. A 2-D router weight
 (``mlp.gate.weight``, used as ``F.linear(x, weight)``) is a plain LoRA module under its own name.
 
 Where PEFT keeps those factors (its keys and configs) and the conversion of a whole adapter live
-in :mod:`lorasync._moe_peft`.
+in :mod:`lorasync.adapter._moe_peft`.
 """
 
 from __future__ import annotations

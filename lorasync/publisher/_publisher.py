@@ -1,11 +1,11 @@
 """Publisher: deliver one adapter version to many engines, safely, step after step.
 
 Per engine, concurrently, the critical path: pre-flight (capabilities, the engine's own rules,
-capacity) → choose a transport (:mod:`lorasync._select`) → deliver (a disk publish hashes in its
-write pass: :mod:`lorasync._digest`) → optional verify. Then, by default after ``publish``
-returned (:mod:`lorasync._aftercare`): re-list, retire versions outside the retention window once
-their requests drained (:mod:`lorasync._retention`), collect the run's files nothing may read
-again (:mod:`lorasync._files`). Invariants:
+capacity) → choose a transport (:mod:`lorasync.publisher._select`) → deliver (a disk publish hashes in its
+write pass: :mod:`lorasync.publisher._digest`) → optional verify. Then, by default after ``publish``
+returned (:mod:`lorasync.publisher._aftercare`): re-list, retire versions outside the retention window once
+their requests drained (:mod:`lorasync.publisher._retention`), collect the run's files nothing may read
+again (:mod:`lorasync.publisher._files`). Invariants:
 
 * Versions are monotonic per (engine, name): an older version never replaces a newer one, and a
   version that concurrent publishers already superseded is taken out of service again.
@@ -15,7 +15,7 @@ again (:mod:`lorasync._files`). Invariants:
 * A version with running or waiting requests is never unloaded (it is ``deferred``), a pinned
   one never, and a version's files outlive every engine that may reload them.
 * Every publisher owns its own run of versions in the store: two jobs or a re-run never collide.
-* No call hangs (:mod:`lorasync._lifecycle`): a blocking call where it would deadlock, a call
+* No call hangs (:mod:`lorasync.runtime._lifecycle`): a blocking call where it would deadlock, a call
   after ``close`` or in a forked child, each is a typed error; ``close`` fails the calls waiting
   for the lock at once and lets the one in flight finish.
 """
@@ -32,19 +32,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from lorasync._adapter import Adapter
-from lorasync._aftercare import Aftercare
-from lorasync._digest import PublishDigest, watch_optimizer_steps
-from lorasync._files import VersionFiles
-from lorasync._handle import EngineHandle
-from lorasync._lifecycle import async_entry
-from lorasync._loop import held
-from lorasync._names import served_name, validate_name, validate_version
-from lorasync._probe import Probe
-from lorasync._report import EngineResult, PublishReport
-from lorasync._retention import Ledger, Retention
-from lorasync._select import TRANSPORTS, choose_transport
-from lorasync._session import PublisherLife, refuse_duplicates
+from lorasync.adapter._adapter import Adapter
+from lorasync.publisher._aftercare import Aftercare
+from lorasync.publisher._digest import PublishDigest, watch_optimizer_steps
+from lorasync.publisher._files import VersionFiles
+from lorasync.publisher._handle import EngineHandle
+from lorasync.runtime._lifecycle import async_entry
+from lorasync.runtime._loop import held
+from lorasync.adapter._names import served_name, validate_name, validate_version
+from lorasync.adapter._probe import Probe
+from lorasync.publisher._report import EngineResult, PublishReport
+from lorasync.publisher._retention import Ledger, Retention
+from lorasync.publisher._select import TRANSPORTS, choose_transport
+from lorasync.publisher._session import PublisherLife, refuse_duplicates
 from lorasync.engines._engine import Capabilities, Engine
 from lorasync.engines._registry import engine_list
 from lorasync.errors import AdapterAlreadyLoadedError, ConfigError, VerificationError
@@ -95,7 +95,7 @@ class Publisher(PublisherLife):
     """
 
     # A Fleet's tenant: the fleet planned every engine's slots across tenants before the round,
-    # so make_room unloads only what the load needs (lorasync._capacity.plan_room).
+    # so make_room unloads only what the load needs (lorasync.publisher._capacity.plan_room).
     _room_planned = False
 
     def __init__(

@@ -3,7 +3,7 @@ the tenants that changed and restore what engines lost.
 
 Without an adapter limit on any engine there is nothing to plan across tenants, so a changed
 tenant's publish starts as soon as its hash is known while the others are still hashed (in
-threads, :mod:`lorasync._fleet_hash`), and that hashing waits while the publish writes its
+threads, :mod:`lorasync.fleet._hash`), and that hashing waits while the publish writes its
 version: what overlaps is the engine's load. With a limit, every hash is known before the plan
 (it needs every stepping tenant), and the publishes start after it.
 """
@@ -14,18 +14,18 @@ import asyncio
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from lorasync._adapter import Adapter
-from lorasync._digest import PublishDigest
-from lorasync._fleet_hash import Gate, HashJob, scan
-from lorasync._fleet_plan import FleetReport, TenantReport
-from lorasync._names import validate_version
-from lorasync._probe import Probe
-from lorasync._publish import AdapterLike
-from lorasync._tenant import files_only, list_all, restore, step
+from lorasync.adapter._adapter import Adapter
+from lorasync.publisher._digest import PublishDigest
+from lorasync.fleet._hash import Gate, HashJob, scan
+from lorasync.fleet._plan import FleetReport, TenantReport
+from lorasync.adapter._names import validate_version
+from lorasync.adapter._probe import Probe
+from lorasync.publisher._publisher import AdapterLike
+from lorasync.fleet._tenant import files_only, list_all, restore, step
 from lorasync.errors import ConfigError, LoraSyncError, StaleVersionError
 
 if TYPE_CHECKING:
-    from lorasync._fleet import Fleet
+    from lorasync.fleet._fleet import Fleet
 
 __all__ = ["by_files", "check_round", "limited", "publish_round", "run_round"]
 

@@ -4,10 +4,10 @@ Each tenant is one :class:`~lorasync.Publisher` over the fleet's engine objects 
 per endpoint, capabilities probed once), so versions, retention, leases, verification, files and
 reports are the publisher's own. The fleet adds what no single publisher can know:
 
-* **Who steps.** A round (:mod:`lorasync._fleet_round`) hashes every adapter passed and
+* **Who steps.** A round (:mod:`lorasync.fleet._round`) hashes every adapter passed and
   publishes only tenants whose content changed since their current version; the others are not
   sent and keep their version.
-* **One slot budget.** On engines with an adapter limit, :func:`lorasync._fleet_plan.plan_slots`
+* **One slot budget.** On engines with an adapter limit, :func:`lorasync.fleet._plan.plan_slots`
   plans across tenants before anything moves (current versions, then pinned or in-use ones, then
   windows) and refuses with a ``CapacityError`` before unloading anything.
 * **Registrations.** Each ``register`` gets a fresh run in the store (its id): hashes, files and
@@ -28,19 +28,19 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from lorasync._fleet_engines import FleetEngines
-from lorasync._fleet_plan import FleetReport, SlotNeed, plan_slots
-from lorasync._fleet_round import check_round, publish_round, run_round
-from lorasync._lifecycle import Lifecycle, async_entry
-from lorasync._loop import LoopLock, LoopThread, held
-from lorasync._names import parse_served_name, served_name, validate_name
-from lorasync._probe import Probe
-from lorasync._publish import AdapterLike, Publisher
-from lorasync._retention import Retention, check_timeout
-from lorasync._session import aclose_all, refuse_duplicates
+from lorasync.fleet._engines import FleetEngines
+from lorasync.fleet._plan import FleetReport, SlotNeed, plan_slots
+from lorasync.fleet._round import check_round, publish_round, run_round
+from lorasync.runtime._lifecycle import Lifecycle, async_entry
+from lorasync.runtime._loop import LoopLock, LoopThread, held
+from lorasync.adapter._names import parse_served_name, served_name, validate_name
+from lorasync.adapter._probe import Probe
+from lorasync.publisher._publisher import AdapterLike, Publisher
+from lorasync.publisher._retention import Retention, check_timeout
+from lorasync.publisher._session import aclose_all, refuse_duplicates
 from lorasync.engines._engine import Capabilities, Engine
 from lorasync.engines._registry import engine_list
-from lorasync._tenant import Tenant, list_all, release, unload_drained, where
+from lorasync.fleet._tenant import Tenant, list_all, release, unload_drained, where
 from lorasync.errors import ConfigError, LoraSyncError
 
 if TYPE_CHECKING:

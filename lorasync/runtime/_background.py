@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from lorasync._loop import UNWIND_S, LoopThread
+from lorasync.runtime._loop import UNWIND_S, LoopThread
 from lorasync.errors import PublisherClosedError
 
 __all__ = ["Background", "Pending"]

@@ -50,7 +50,7 @@ from lorasync.transports._snapshot import owned_copy
 if TYPE_CHECKING:
     import torch
 
-    from lorasync._adapter import Adapter
+    from lorasync.adapter._adapter import Adapter
 
 __all__ = ["PublishDigest", "watch_optimizer_steps"]
 

@@ -13,15 +13,15 @@ import time
 import warnings
 from collections.abc import Iterator, Sequence
 
-from lorasync._adapter import Adapter
-from lorasync._digest import PublishDigest
-from lorasync._fleet_hash import Gate, content_hash
-from lorasync._fleet_plan import FleetReport, TenantReport
-from lorasync._names import served_name, validate_version
-from lorasync._probe import Probe
-from lorasync._publish import Publisher
-from lorasync._report import PublishReport
-from lorasync._retention import RetentionWarning
+from lorasync.adapter._adapter import Adapter
+from lorasync.publisher._digest import PublishDigest
+from lorasync.fleet._hash import Gate, content_hash
+from lorasync.fleet._plan import FleetReport, TenantReport
+from lorasync.adapter._names import served_name, validate_version
+from lorasync.adapter._probe import Probe
+from lorasync.publisher._publisher import Publisher
+from lorasync.publisher._report import PublishReport
+from lorasync.publisher._retention import RetentionWarning
 from lorasync.engines._engine import Capabilities, Engine
 from lorasync.errors import ConfigError, LoraSyncError, PublisherClosedError
 from lorasync.transports._snapshot import OwnedAdapter, owned_copy
@@ -191,7 +191,7 @@ async def list_all(engines: Sequence[Engine]) -> list[list[str] | None]:
 
 def files_only(publisher: Publisher, caps: Sequence[Capabilities]) -> bool:
     """Whether ``publisher`` hands every engine (by ``caps``) its versions as files, as
-    :func:`~lorasync._select.choose_transport` decides: then each version's directory in the
+    :func:`~lorasync.publisher._select.choose_transport` decides: then each version's directory in the
     store is lorasync's own copy of it, and a round needs no copy in memory."""
     disk, ipc = publisher._candidates["disk"], publisher._candidates["ipc"]
     if publisher.transport == "disk":

@@ -1,5 +1,5 @@
 """The publisher's life around its publishes: pins and leases, ``collect``, ``close`` and the
-context managers, sync and async, each behind the one guard of :mod:`lorasync._lifecycle`
+context managers, sync and async, each behind the one guard of :mod:`lorasync.runtime._lifecycle`
 (design invariant 10: no call hangs). :class:`~lorasync.Publisher` inherits it; its constructor
 makes the parts this class uses (listed below as annotations).
 
@@ -29,10 +29,10 @@ import weakref
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from lorasync._aftercare import Aftercare
-from lorasync._lifecycle import Lifecycle, async_entry
-from lorasync._loop import LoopLock, LoopThread, held
-from lorasync._names import parse_served_name, served_name, validate_version
+from lorasync.publisher._aftercare import Aftercare
+from lorasync.runtime._lifecycle import Lifecycle, async_entry
+from lorasync.runtime._loop import LoopLock, LoopThread, held
+from lorasync.adapter._names import parse_served_name, served_name, validate_version
 from lorasync.engines._engine import Engine
 from lorasync.engines._hosts import server_key
 from lorasync.errors import ConfigError, LoraSyncError, VerificationError

@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-from lorasync._config import AdapterConfig, leaf_names
-from lorasync._keys import normalize_trainer_key, parse_peft_key, peft_key, split_peft_key
-from lorasync._moe_peft import convert, model_type_of_saved, refuse_fused, split_peft_config
+from lorasync.adapter._config import AdapterConfig, leaf_names
+from lorasync.adapter._keys import normalize_trainer_key, parse_peft_key, peft_key, split_peft_key
+from lorasync.adapter._moe_peft import convert, model_type_of_saved, refuse_fused, split_peft_config
 from lorasync.errors import (
     AdapterError,
     DtypeMismatchError,
@@ -331,7 +331,7 @@ class Adapter:
         suffix is tolerated. A directory with other ``*.safetensors`` files is refused: SGLang
         loads every one of them, so an engine would serve something else than this Adapter.
         PEFT ``target_parameters`` LoRA on fused MoE experts is read as one LoRA per expert
-        (:mod:`lorasync._moe`); ``model_type`` (the base's ``config.json`` ``model_type``) names
+        (:mod:`lorasync.adapter._moe`); ``model_type`` (the base's ``config.json`` ``model_type``) names
         the expert layout when the adapter config does not (PEFT records the base class only
         without a ``task_type``; a local ``base_model_name_or_path`` is read too).
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from lorasync.errors import LoraSyncError, PublishError
 
 if TYPE_CHECKING:
-    from lorasync._loop import Pending
+    from lorasync.runtime._loop import Pending
 
 __all__ = ["EngineResult", "PublishReport"]
 

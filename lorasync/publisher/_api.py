@@ -15,12 +15,12 @@ import threading
 from collections.abc import AsyncIterator, Iterable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 
-from lorasync._names import validate_name
-from lorasync._probe import Probe
-from lorasync._publish import AdapterLike, Publisher
-from lorasync._report import PublishReport
-from lorasync._retention import Retention
-from lorasync._session import aclose_all
+from lorasync.adapter._names import validate_name
+from lorasync.adapter._probe import Probe
+from lorasync.publisher._publisher import AdapterLike, Publisher
+from lorasync.publisher._report import PublishReport
+from lorasync.publisher._retention import Retention
+from lorasync.publisher._session import aclose_all
 from lorasync.engines._engine import Engine
 from lorasync.errors import ConfigError
 from lorasync.transports._base_weights import BaseWeights

@@ -25,15 +25,15 @@ import asyncio
 import contextlib
 import time
 
-from lorasync._fleet_plan import FleetReport, SlotNeed, TenantReport, plan_slots
-from lorasync._handle import EngineHandle
-from lorasync._lifecycle import Lifecycle, async_entry
-from lorasync._loop import LoopLock, LoopThread, held
-from lorasync._names import parse_served_name
-from lorasync._publish import Publisher
-from lorasync._retention import Ledger, check_timeout
-from lorasync._session import _engine_key, refuse_duplicates
-from lorasync._tenant import Tenant, republish, unload_drained, where
+from lorasync.fleet._plan import FleetReport, SlotNeed, TenantReport, plan_slots
+from lorasync.publisher._handle import EngineHandle
+from lorasync.runtime._lifecycle import Lifecycle, async_entry
+from lorasync.runtime._loop import LoopLock, LoopThread, held
+from lorasync.adapter._names import parse_served_name
+from lorasync.publisher._publisher import Publisher
+from lorasync.publisher._retention import Ledger, check_timeout
+from lorasync.publisher._session import _engine_key, refuse_duplicates
+from lorasync.fleet._tenant import Tenant, republish, unload_drained, where
 from lorasync.engines._engine import Capabilities, Engine
 from lorasync.engines._registry import parse_engine_spec
 from lorasync.errors import CapacityError, ConfigError, LoraSyncError

@@ -2,7 +2,7 @@
 the engine, capacity, verification, settling after a load and unloading retired versions.
 
 The publisher owns one handle per engine and calls it under its lock; the decisions of what to
-retire are :func:`lorasync._retention.plan`'s, the files' fate is :class:`lorasync._files.VersionFiles`'.
+retire are :func:`lorasync.publisher._retention.plan`'s, the files' fate is :class:`lorasync.publisher._files.VersionFiles`'.
 
 A content hash is reused only under the same identity (design invariant 8): :meth:`EngineHandle.sync`
 keeps, for each version the engine lists, a hash only while the engine still serves the very load it
@@ -23,14 +23,14 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from lorasync._adapter import Adapter
-from lorasync._cancelled import CancelledCalls
-from lorasync._capacity import plan_room
-from lorasync._files import VersionFiles
-from lorasync._leaks import SlotLeaks
-from lorasync._names import parse_served_name, served_name
-from lorasync._probe import Probe, run_probe
-from lorasync._retention import LEARN, Ledger, Retention, RetentionWarning, plan
+from lorasync.adapter._adapter import Adapter
+from lorasync.publisher._cancelled import CancelledCalls
+from lorasync.publisher._capacity import plan_room
+from lorasync.publisher._files import VersionFiles
+from lorasync.publisher._leaks import SlotLeaks
+from lorasync.adapter._names import parse_served_name, served_name
+from lorasync.adapter._probe import Probe, run_probe
+from lorasync.publisher._retention import LEARN, Ledger, Retention, RetentionWarning, plan
 from lorasync.engines._engine import Capabilities, Engine, is_in_process_id
 from lorasync.errors import AdapterNotFoundError, EngineError, EngineUnavailableError, StaleVersionError, UnverifiedUnreachableError, VerificationError
 from lorasync.transports._transport import Transport
@@ -61,7 +61,7 @@ class EngineHandle:
         self.last_in_use: frozenset[str] | None = None
         self._caps: Capabilities | None = None
         self.leaks = SlotLeaks(engine, self.where)  # retired names the engine may still hold
-        self.cancelled = CancelledCalls(self)  # what cancelled publishes left running (lorasync._cancelled)
+        self.cancelled = CancelledCalls(self)  # what cancelled publishes left running (lorasync.publisher._cancelled)
 
     @property
     def where(self) -> str:
@@ -199,7 +199,7 @@ class EngineHandle:
         """
         if caps.max_loras is None or caps.reloads_from_path:
             return []
-        # A retired adapter the engine still holds occupies a slot too (lorasync._leaks).
+        # A retired adapter the engine still holds occupies a slot too (lorasync.publisher._leaks).
         listing = await self.engine.alist_adapters()
         await self._recheck_leaks(listed=listing)
         early = plan_room(
@@ -246,7 +246,7 @@ class EngineHandle:
         return retired
 
     async def _recheck_leaks(self, retired: list[str] | None = None, *, listed: list[str] | None = None) -> None:
-        """Judge whether retired versions left the engine (lorasync._leaks): one it lists or holds
+        """Judge whether retired versions left the engine (lorasync.publisher._leaks): one it lists or holds
         keeps its files (it may read them again) until a later check finds it gone."""
         if not retired and not self.leaks.watching:
             return
