@@ -23,13 +23,19 @@ PACKAGE = Path(lorasync.__file__).resolve().parent
 
 FLOORS: list[tuple[str, ...]] = [
     ("errors",),
-    ("wire",),  # the byte formats (may not exist yet on every branch)
-    ("_names", "_keys", "_config", "_moe", "_moe_peft", "_retry", "_collectives", "_retention", "_loop", "_background", "_lifecycle"),
-    ("_adapter", "_probe", "_report", "transforms"),
+    ("wire",),  # the byte formats
+    ("runtime",),  # the loop, lifecycles, retry, collectives: no adapter knowledge
+    ("adapter", "transforms"),  # the canonical adapter and what describes it
     ("exporters", "transports", "engines"),
-    ("distributed", "_publish", "_session", "_api", "_handle", "_cancelled", "_capacity", "_leaks", "_files", "_select", "_digest", "_aftercare", "_fleet", "_fleet_engines", "_fleet_plan", "_fleet_round", "_fleet_hash", "_tenant", "inspection"),
+    ("publisher", "inspection"),  # one adapter's publish to its engines
+    ("fleet",),  # many tenants on shared engines, through the publisher's parts
+    ("distributed",),
     ("cli", "integrations", "testing", "__main__", "__init__"),
 ]
+
+# The package root holds only the public modules; every other room lives in the package of its
+# floor (docs/architecture.md), so the tree shows whose room is whose.
+ROOT_MODULES = {"__init__", "__main__", "errors", "transforms", "inspection"}
 
 # (importer, imported) -> why it may break the rules for now.
 ALLOWED: dict[tuple[str, str], str] = {
@@ -69,14 +75,15 @@ def _is_type_checking(node: ast.If) -> bool:
     )
 
 
-def _imports(module: str, path: Path, known: set[str]) -> set[str]:
-    """The lorasync modules ``module`` imports at run time (module level or inside functions)."""
+def _imports(module: str, path: Path, known: set[str], *, typing: bool = False) -> set[str]:
+    """The lorasync modules ``module`` imports at run time (module level or inside functions);
+    with ``typing``, also those it imports for type checking only."""
     tree = ast.parse(path.read_text(), filename=str(path))
     is_package = path.name == "__init__.py"
     found: set[str] = set()
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node):
+        if isinstance(node, ast.If) and _is_type_checking(node) and not typing:
             for child in node.orelse:
                 visit(child)
             return
@@ -112,10 +119,10 @@ def _imports(module: str, path: Path, known: set[str]) -> set[str]:
     return edges
 
 
-def _graph() -> dict[str, set[str]]:
+def _graph(*, typing: bool = False) -> dict[str, set[str]]:
     modules = _modules()
     known = set(modules)
-    return {name: _imports(name, path, known) for name, path in modules.items()}
+    return {name: _imports(name, path, known, typing=typing) for name, path in modules.items()}
 
 
 def _loops(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -166,9 +173,9 @@ def _loops(graph: dict[str, set[str]]) -> list[list[str]]:
     return loops
 
 
-def _checked_graph() -> tuple[dict[str, set[str]], set[tuple[str, str]]]:
+def _checked_graph(*, typing: bool = False) -> tuple[dict[str, set[str]], set[tuple[str, str]]]:
     """The import graph without the allowed edges, and which allowed edges were seen."""
-    graph = _graph()
+    graph = _graph(typing=typing)
     used = set()
     for importer, targets in graph.items():
         for target in list(targets):
@@ -190,9 +197,29 @@ def test_no_import_from_a_lower_floor_to_a_higher_one() -> None:
 
 
 def test_no_import_loops() -> None:
-    graph, _ = _checked_graph()
+    """Type-only imports count here: a module that names another's class in its signatures is tied
+    to it as much as one that calls it (a round's functions that took the whole Fleet were a
+    circle with the Fleet that calls them)."""
+    graph, _ = _checked_graph(typing=True)
     loops = _loops(graph)
-    assert loops == [], f"import loops (lazy imports count): {loops}"
+    assert loops == [], f"import loops (lazy and type-only imports count): {loops}"
+
+
+def test_the_package_root_holds_only_the_public_modules() -> None:
+    found = {path.stem for path in PACKAGE.glob("*.py")}
+    assert found == ROOT_MODULES, (
+        f"modules at the package root besides the public ones: {sorted(found - ROOT_MODULES)} "
+        "(put each in the package of its floor: runtime, adapter, publisher, fleet, ...)"
+    )
+
+
+def test_every_package_says_what_it_owns_and_what_it_may_import() -> None:
+    missing = []
+    for init in sorted(PACKAGE.glob("*/__init__.py")):
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        if "May import" not in doc and "may import" not in doc:
+            missing.append(init.parent.name)
+    assert missing == [], f"packages whose docstring does not say which packages they may import: {missing}"
 
 
 def test_every_allowed_exception_is_still_needed() -> None:
@@ -230,11 +257,35 @@ def test_the_checker_sees_what_it_looks_for(tmp_path: Path) -> None:
         "if TYPE_CHECKING:\n    from lorasync.publisher._publisher import Publisher\n"
         "def f():\n    from lorasync.engines._engine import Engine\n"
     )
-    path = PACKAGE / "_config.py"  # a real module's place, so relative imports resolve
+    path = PACKAGE / "adapter" / "_config.py"  # a real module's place, so relative imports resolve
     fake = tmp_path / "_config.py"
     fake.write_text(source)
     known = set(_modules())
     found = _imports("lorasync.adapter._config", fake, known)
     assert path.exists() and found == {"lorasync.errors", "lorasync.adapter._keys", "lorasync.engines._engine"}
+    assert _imports("lorasync.adapter._config", fake, known, typing=True) == found | {"lorasync.publisher._publisher"}
     assert _loops({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _floor("lorasync.engines.sglang.rules") == 4 and _floor("lorasync") == len(FLOORS) - 1
+
+
+def test_every_sync_face_is_its_async_twin_with_the_same_parameters() -> None:
+    """Sync and async written once (lorasync.runtime._lifecycle.blocking): each public sync method
+    of the publisher and the fleet runs its ``a``-twin; a parameter the face names and the twin
+    does not take (or takes with another default) would fail only when called."""
+    import inspect
+
+    from lorasync import Fleet, Publisher
+
+    faces = 0
+    for cls in (Publisher, Fleet):
+        for name, member in inspect.getmembers(cls, inspect.isfunction):
+            twin = getattr(member, "__lorasync_twin__", None)
+            if twin is None:
+                continue
+            faces += 1
+            mine = inspect.signature(member).parameters
+            theirs = inspect.signature(getattr(cls, twin)).parameters
+            for param, spec in mine.items():
+                assert param in theirs, f"{cls.__name__}.{name}() takes {param}, {twin}() does not"
+                assert (spec.kind, spec.default) == (theirs[param].kind, theirs[param].default), f"{cls.__name__}.{name}({param}) differs from {twin}()"
+    assert faces >= 9, faces

@@ -3,6 +3,8 @@
 Each subcommand lives in its own module exposing ``register(subparsers)``; the parser sets
 ``func`` to the handler, which returns the exit code (see :mod:`lorasync.cli._common`). Nothing
 here imports torch or httpx: ``lorasync --help`` and ``--version`` answer without them.
+
+May import: every package (the top floor); nothing imports it.
 """
 
 from __future__ import annotations

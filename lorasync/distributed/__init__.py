@@ -13,6 +13,9 @@ Modules: :mod:`.publisher` (the protocol), :mod:`.fleet` (the multi-LoRA one, re
 :mod:`._fleet_report`), :mod:`._roles` (nodes, leaders, agreement checks),
 :mod:`._wire` (adapter, result and error encodings, no pickle), :mod:`._report` (what comes
 back). The JSON collectives are :mod:`lorasync.runtime._collectives`, shared with the Megatron exporter.
+
+May import: every package below it (publisher, fleet and their floors); never cli,
+integrations or testing.
 """
 
 from lorasync.distributed._fleet_report import DistributedFleetReport

@@ -27,7 +27,7 @@ import time
 
 from lorasync.fleet._plan import FleetReport, SlotNeed, TenantReport, plan_slots
 from lorasync.publisher._handle import EngineHandle
-from lorasync.runtime._lifecycle import Lifecycle, async_entry
+from lorasync.runtime._lifecycle import Lifecycle, async_entry, blocking
 from lorasync.runtime._loop import LoopLock, LoopThread, held
 from lorasync.adapter._names import parse_served_name
 from lorasync.publisher._publisher import Publisher
@@ -52,6 +52,7 @@ class FleetEngines:
     _loop: LoopThread
     _life: Lifecycle
 
+    @blocking("await fleet.aadd_engine(engine)")
     def add_engine(self, engine: Engine | str) -> FleetReport:
         """Add an engine to the running fleet: every tenant's current version is loaded there
         (restored from lorasync's own copy of it, versions unchanged), and every tenant's
@@ -71,8 +72,6 @@ class FleetEngines:
                 was loaded and it was not added.
             EngineError: it did not answer; it was not added.
         """
-        self._life.check_sync("add_engine()", "await fleet.aadd_engine(engine)")
-        return self._loop.run(self.aadd_engine(engine))
 
     @async_entry("fleet.aadd_engine()")
     async def aadd_engine(self, engine: Engine | str) -> FleetReport:
@@ -116,6 +115,7 @@ class FleetEngines:
             await asyncio.gather(*(restore_on(tenant, engine, report) for tenant in current.values()))
         return report
 
+    @blocking("await fleet.aremove_engine(engine)")
     def remove_engine(self, engine: Engine | str, *, timeout: float | None = None, unload: bool = True) -> list[str]:
         """Take an engine out of the fleet: the fleet's versions there are unloaded once their
         requests and leases drained (as ``retire`` does; other rounds go on meanwhile), and their
@@ -135,8 +135,6 @@ class FleetEngines:
             EngineError: it failed while unloading; it stays in the fleet (call again, or pass
                 ``unload=False``).
         """
-        self._life.check_sync("remove_engine()", "await fleet.aremove_engine(engine)")
-        return self._loop.run(self.aremove_engine(engine, timeout=timeout, unload=unload))
 
     @async_entry("fleet.aremove_engine()")
     async def aremove_engine(self, engine: Engine | str, *, timeout: float | None = None, unload: bool = True) -> list[str]:

@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Any
 
 from lorasync.fleet._engines import FleetEngines
 from lorasync.fleet._plan import FleetReport, SlotNeed, plan_slots
-from lorasync.fleet._round import check_round, publish_round, run_round
-from lorasync.runtime._lifecycle import Lifecycle, async_entry
+from lorasync.fleet._round import Shared, check_round, publish_round, run_round
+from lorasync.runtime._lifecycle import Lifecycle, async_entry, blocking
 from lorasync.runtime._loop import LoopLock, LoopThread, held
 from lorasync.adapter._names import parse_served_name, served_name, validate_name
 from lorasync.adapter._probe import Probe
@@ -76,6 +76,7 @@ class Fleet(FleetEngines):
             raise ConfigError(f"a Fleet serves adapters by name: transport must be 'auto', 'disk' or 'ipc', got {transport!r} (merged weights have no room for several tenants)")
         self.transport, self.root = transport, root
         self.tenants: dict[str, Tenant] = {}
+        self._shared = Shared(self.tenants, self.engines, self._plan, self._caps_of)  # what a round may use
         self._caps: dict[int, Capabilities] = {}
         self._loop = LoopThread("lorasync-fleet")
         self._lock = LoopLock()
@@ -83,6 +84,7 @@ class Fleet(FleetEngines):
 
     # -- tenants ------------------------------------------------------------------------------------
 
+    @blocking("await fleet.aregister(name)")
     def register(self, name: str, *, keep: int = 2, max_staleness: int | None = None, verify: Probe | None = None, grace: float = 1.0, drain_timeout: float | None = 600.0) -> Tenant:
         """Add a tenant. Its versions, window and leases are its own; its slots come from the shared budget.
 
@@ -100,8 +102,6 @@ class Fleet(FleetEngines):
             CapacityError: an engine with an adapter limit cannot hold one more current version.
             InvalidNameError: a bad name.
         """
-        self._life.check_sync("register()", "await fleet.aregister(name)")
-        return self._loop.run(self.aregister(name, keep=keep, max_staleness=max_staleness, verify=verify, grace=grace, drain_timeout=drain_timeout))
 
     @async_entry("fleet.aregister()")
     async def aregister(self, name: str, *, keep: int = 2, max_staleness: int | None = None, verify: Probe | None = None, grace: float = 1.0, drain_timeout: float | None = 600.0) -> Tenant:
@@ -130,6 +130,7 @@ class Fleet(FleetEngines):
             tenant = self.tenants[name] = Tenant(name, publisher)
             return tenant
 
+    @blocking("await fleet.aretire(name)")
     def retire(self, name: str, *, timeout: float | None = None) -> list[str]:
         """End a tenant: unload every version of it on every engine once its requests drained,
         then delete its files. The name may then be registered again (a new registration).
@@ -146,8 +147,6 @@ class Fleet(FleetEngines):
             ConfigError: no tenant of that name. EngineError: an engine failed (the tenant stays
                 registered: call ``retire`` again).
         """
-        self._life.check_sync("retire()", "await fleet.aretire(name)")
-        return self._loop.run(self.aretire(name, timeout=timeout))
 
     @async_entry("fleet.aretire()")
     async def aretire(self, name: str, *, timeout: float | None = None) -> list[str]:
@@ -182,6 +181,7 @@ class Fleet(FleetEngines):
 
     # -- rounds ---------------------------------------------------------------------------------------
 
+    @blocking("await fleet.apublish(adapters, versions=...)")
     def publish(self, adapters: Mapping[str, AdapterLike], *, versions: Mapping[str, int], verify: Mapping[str, Probe] | None = None) -> FleetReport:
         """One round: publish the tenants whose content changed, restore what engines lost.
 
@@ -203,8 +203,6 @@ class Fleet(FleetEngines):
             CapacityError: an engine's slots cannot hold every tenant's current and in-use
                 versions; nothing was unloaded or loaded.
         """
-        self._life.check_sync("publish()", "await fleet.apublish(adapters, versions=...)")
-        return self._loop.run(self.apublish(adapters, versions=versions, verify=verify))
 
     @async_entry("fleet.apublish()")
     async def apublish(self, adapters: Mapping[str, AdapterLike], *, versions: Mapping[str, int], verify: Mapping[str, Probe] | None = None) -> FleetReport:
@@ -213,9 +211,10 @@ class Fleet(FleetEngines):
         async with held(self._lock):
             # Under the lock: a retirement may have begun or ended meanwhile.
             versions = check_round(adapters, versions, verify, known=self._publishable)
-            await publish_round(self, report, adapters, versions, verify or {})
+            await publish_round(self._shared, report, adapters, versions, verify or {})
         return report
 
+    @blocking("await fleet.arestore()")
     def restore(self) -> FleetReport:
         """Load every tenant's current version again on engines that lost it (restarted, or
         added), versions unchanged. Publishing does this too, in each round.
@@ -226,15 +225,13 @@ class Fleet(FleetEngines):
         Raises:
             CapacityError: the engines' slots cannot hold every current version.
         """
-        self._life.check_sync("restore()", "await fleet.arestore()")
-        return self._loop.run(self.arestore())
 
     @async_entry("fleet.arestore()")
     async def arestore(self) -> FleetReport:
         """Async twin of :meth:`restore`."""
         report = FleetReport()
         async with held(self._lock):
-            await run_round(self, report, {}, {})
+            await run_round(self._shared, report, {}, {})
         return report
 
     async def _plan(self, listings: list[list[str] | None], stepping: Mapping[str, int], *, newcomer: str | None = None, dry_run: bool = False) -> list[str]:

@@ -11,7 +11,8 @@ version: what overlaps is the engine's load. With a limit, every hash is known b
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from lorasync.adapter._adapter import Adapter
@@ -25,9 +26,29 @@ from lorasync.fleet._tenant import files_only, list_all, restore, step
 from lorasync.errors import ConfigError, LoraSyncError, StaleVersionError
 
 if TYPE_CHECKING:
-    from lorasync.fleet._fleet import Fleet
+    from lorasync.engines._engine import Capabilities, Engine
+    from lorasync.fleet._tenant import Tenant
 
-__all__ = ["by_files", "check_round", "limited", "publish_round", "run_round"]
+__all__ = ["Shared", "by_files", "check_round", "limited", "publish_round", "run_round"]
+
+
+@dataclass(frozen=True)
+class Shared:
+    """What a round needs of the Fleet that runs it, and nothing more: a Fleet calls rounds, a
+    round never reaches back into the Fleet.
+
+    Attributes:
+        tenants: the Fleet's tenants by name (the live mapping: registrations show at once).
+        engines: the Fleet's engines (the live list: added and removed engines show at once).
+        plan: plans the shared slots for the tenants stepping, ``plan(listings, {name: version})``,
+            unloading what must go; returns the served names unloaded.
+        caps_of: an engine's capabilities (asked once, then remembered by the Fleet).
+    """
+
+    tenants: Mapping[str, Tenant]
+    engines: Sequence[Engine]
+    plan: Callable[[list[list[str] | None], Mapping[str, int]], Awaitable[list[str]]]
+    caps_of: Callable[[Engine], Awaitable[Capabilities]]
 
 
 def check_round(adapters: object, versions: object, verify: object, *, known: Callable[[str], object]) -> dict[str, int]:
@@ -72,7 +93,7 @@ def check_round(adapters: object, versions: object, verify: object, *, known: Ca
     return checked
 
 
-async def publish_round(fleet: Fleet, report: FleetReport, adapters: Mapping[str, AdapterLike], versions: Mapping[str, int], probes: Mapping[str, Probe]) -> None:
+async def publish_round(fleet: Shared, report: FleetReport, adapters: Mapping[str, AdapterLike], versions: Mapping[str, int], probes: Mapping[str, Probe]) -> None:
     """Hash every adapter passed (in threads); publish the changed ones, restore what engines lost.
 
     Without an adapter limit on any engine there is nothing to plan across tenants, so a
@@ -150,7 +171,7 @@ def _export(model: object) -> Adapter:
     return export(model)  # type: ignore[arg-type]
 
 
-async def run_round(fleet: Fleet, report: FleetReport, stepping: Mapping[str, tuple[Adapter, int, bool, PublishDigest | None]], probes: Mapping[str, Probe], *, started: Sequence[asyncio.Future[None]] = (), skip: Iterable[str] = ()) -> None:
+async def run_round(fleet: Shared, report: FleetReport, stepping: Mapping[str, tuple[Adapter, int, bool, PublishDigest | None]], probes: Mapping[str, Probe], *, started: Sequence[asyncio.Future[None]] = (), skip: Iterable[str] = ()) -> None:
     """Plan for ``stepping`` and publish it; restore the tenants, not stepping nor in
     ``skip``, that an engine lost; wait for ``started`` publishes too."""
     listings = await list_all(fleet.engines)
@@ -159,27 +180,27 @@ async def run_round(fleet: Fleet, report: FleetReport, stepping: Mapping[str, tu
         name for name, t in fleet.tenants.items()
         if name not in skip and t.version is not None and not t.retiring and any(ls is not None and t.served_name not in ls for ls in listings)
     }
-    report.unloaded = await fleet._plan(listings, {n: v for n, (_, v, _, _) in stepping.items()})
+    report.unloaded = await fleet.plan(listings, {n: v for n, (_, v, _, _) in stepping.items()})
     jobs = [step(fleet.tenants[n], report, adapter, v, probes.get(n), owned=owned, digest=digest) for n, (adapter, v, owned, digest) in stepping.items()]
     jobs += [restore(fleet.tenants[n], report) for n in sorted(lost)]
     await asyncio.gather(*started, *jobs)
 
 
-async def limited(fleet: Fleet) -> bool:
+async def limited(fleet: Shared) -> bool:
     """Whether an engine has an adapter limit (or cannot say): then a round plans first."""
     for engine in fleet.engines:
         try:
-            if (await fleet._caps_of(engine)).max_loras is not None:
+            if (await fleet.caps_of(engine)).max_loras is not None:
                 return True
         except LoraSyncError:
             return True
     return False
 
-async def by_files(fleet: Fleet) -> bool:
+async def by_files(fleet: Shared) -> bool:
     """Whether every engine loads versions from the store's files (then those files, not an
     owned copy in memory, are what a restore loads)."""
     try:
-        caps = [await fleet._caps_of(e) for e in fleet.engines]
+        caps = [await fleet.caps_of(e) for e in fleet.engines]
     except LoraSyncError:
         return False
     return bool(fleet.tenants) and files_only(next(iter(fleet.tenants.values())).publisher, caps)

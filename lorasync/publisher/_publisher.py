@@ -37,7 +37,7 @@ from lorasync.publisher._aftercare import Aftercare
 from lorasync.publisher._digest import PublishDigest, watch_optimizer_steps
 from lorasync.publisher._files import VersionFiles
 from lorasync.publisher._handle import EngineHandle
-from lorasync.runtime._lifecycle import async_entry
+from lorasync.runtime._lifecycle import async_entry, blocking
 from lorasync.runtime._loop import held
 from lorasync.adapter._names import served_name, validate_name, validate_version
 from lorasync.adapter._probe import Probe
@@ -167,6 +167,7 @@ class Publisher(PublisherLife):
 
     # -- public ---------------------------------------------------------------------------------
 
+    @blocking("await pub.apublish(adapter, version=...)")
     def publish(self, adapter: AdapterLike, *, version: int, verify: Probe | None = None) -> PublishReport:
         """Publish ``adapter`` as ``version`` to every engine (blocking).
 
@@ -185,8 +186,6 @@ class Publisher(PublisherLife):
         Raises:
             InvalidNameError: bad version. AdapterError / ExportError: bad adapter.
         """
-        self._life.check_sync("publish()", "await pub.apublish(adapter, version=...)")
-        return self._loop.run(self.apublish(adapter, version=version, verify=verify))
 
     async def apublish(self, adapter: AdapterLike, *, version: int, verify: Probe | None = None) -> PublishReport:
         """Async twin of :meth:`publish`."""
@@ -253,11 +252,10 @@ class Publisher(PublisherLife):
                 await after
         return report
 
+    @blocking("await pub.arestore_base()")
     def restore_base(self) -> None:
         """Undo merged publishes: every engine this publisher merged into gets its pristine base
         weights back (adapter-serving engines are untouched)."""
-        self._life.check_sync("restore_base()", "await pub.arestore_base()")
-        self._loop.run(self.arestore_base())
 
     @async_entry("pub.arestore_base()")
     async def arestore_base(self) -> None:

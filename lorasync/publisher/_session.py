@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from lorasync.publisher._aftercare import Aftercare
-from lorasync.runtime._lifecycle import Lifecycle, async_entry
+from lorasync.runtime._lifecycle import Lifecycle, async_entry, blocking
 from lorasync.runtime._loop import LoopLock, LoopThread, held
 from lorasync.adapter._names import parse_served_name, served_name, validate_version
 from lorasync.engines._engine import Engine
@@ -203,14 +203,13 @@ class PublisherLife:
         with self._pins_guard:
             return frozenset(self._pins)
 
+    @blocking("await pub.acollect()")
     def collect(self) -> dict[str, list[str]]:
         """Retire what has drained since the last publish (and collect its files) now.
 
         Returns:
             ``{"retired": [...], "deferred": [...]}`` over all engines.
         """
-        self._life.check_sync("collect()", "await pub.acollect()")
-        return self._loop.run(self.acollect())
 
     @async_entry("pub.acollect()")
     async def acollect(self, *, closing: bool = False) -> dict[str, list[str]]:

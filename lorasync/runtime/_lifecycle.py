@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 
 from lorasync.errors import BlockingCallError, PublisherClosedError
 
-__all__ = ["Lifecycle", "async_entry"]
+__all__ = ["Lifecycle", "async_entry", "blocking"]
 
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 
@@ -166,6 +166,34 @@ def async_entry(call: str) -> Callable[[F], F]:
                 return await method(self, *args, **kwargs)
 
         return entry  # type: ignore[return-value]
+
+    return wrap
+
+
+def blocking(instead: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """The sync face of a public async method, written once: decorate a stub named ``name``
+    (its signature and docstring are the public ones; its body is never run) and the call runs
+    ``a<name>`` with the same arguments on the object's loop (``self._loop``), after the one guard
+    (:meth:`Lifecycle.check_sync`, ``self._life``) that refuses it where it would deadlock.
+
+    Args:
+        instead: what to write in async code, for the refusal, e.g.
+            ``"await fleet.apublish(adapters, versions=...)"``.
+
+    tests/test_architecture.py checks that every sync face takes exactly its twin's parameters.
+    """
+
+    def wrap(stub: Callable[..., Any]) -> Callable[..., Any]:
+        name = stub.__name__
+        twin, call = f"a{name}", f"{name}()"
+
+        @functools.wraps(stub)
+        def face(self: Any, *args: Any, **kwargs: Any) -> Any:
+            self._life.check_sync(call, instead)
+            return self._loop.run(getattr(self, twin)(*args, **kwargs))
+
+        face.__lorasync_twin__ = twin  # type: ignore[attr-defined]
+        return face
 
     return wrap
 

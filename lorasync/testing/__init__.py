@@ -1,5 +1,8 @@
 """Test helpers shipped with lorasync: tiny local models, fake engines and the engine
-conformance suite plugins can subclass."""
+conformance suite plugins can subclass.
+
+May import: every package below the top floor; nothing in lorasync imports it.
+"""
 
 from typing import Any
 

@@ -2,6 +2,9 @@
 
 ``disk`` (atomic versioned directories, tmpfs by default), ``ipc`` (shared memory / CUDA IPC,
 no files) and ``merged`` (W0 + s·B·A folded from the pristine base, streamed in buckets).
+
+May import: errors, wire, runtime, adapter, ``lorasync.transforms`` and the engine protocol
+(``lorasync.engines._engine``); never an engine client or anything above them.
 """
 
 from lorasync.transports._transport import Delivery, Transport

@@ -14,4 +14,6 @@ run inside engine processes too.
 Codec failures raise :class:`lorasync.errors.WireFormatError` (bad bytes or specs),
 :class:`~lorasync.errors.UnsupportedDtypeError` and
 :class:`~lorasync.errors.CudaIpcUnavailableError`.
+
+May import: :mod:`lorasync.errors` only.
 """

@@ -30,4 +30,4 @@ def test_wire_imports_only_itself_and_the_errors() -> None:
 
 
 def test_adapter_does_not_import_transports() -> None:
-    assert not {m for m in _lorasync_imports(PACKAGE / "_adapter.py") if m.startswith("lorasync.transports")}
+    assert not {m for m in _lorasync_imports(PACKAGE / "adapter" / "_adapter.py") if m.startswith("lorasync.transports")}

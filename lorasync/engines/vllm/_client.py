@@ -468,9 +468,9 @@ class VLLMEngine(HTTPEngine):
         body: dict[str, Any] = {"lora_name": name, "lora_path": lora_path}
         if load_inplace:  # sent only when asked: older servers then refuse instead of ignoring it silently
             body["load_inplace"] = True
-            yield from _releases.warn_inplace(self, name, lora_path)
+            yield from _releases.warn_inplace(self.url, name, lora_path)
         if name in self._unloaded:  # vLLM before 0.34 would take the new LoRA id for the old one's
-            yield from _releases.refuse_name_in_use(self, name)
+            yield from _releases.refuse_name_in_use(name, kind=self.kind, url=self.url, in_use=self._in_use)
         response = yield Call("POST", LOAD_ROUTE, json=body)
         if response.status_code == 200 and body_text(response).startswith("Success"):
             self._unloaded.discard(name)

@@ -14,15 +14,13 @@ Operations here are sans-IO, like the client's own (they yield ``Call``s).
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from lorasync.engines._http import Call, Operation, body_json
 from lorasync.engines.vllm._errors import dig
 from lorasync.engines.vllm._lora_compat import LoaderRules, rules_for
 from lorasync.errors import AdapterAlreadyLoadedError, LoraSyncWarning
 
-if TYPE_CHECKING:
-    from lorasync.engines.vllm._client import VLLMEngine
 
 __all__ = ["notes", "refuse_name_in_use", "reused_name_error", "server_version", "warn_inplace"]
 
@@ -44,20 +42,20 @@ def notes(rules: LoaderRules) -> list[str]:
     return out
 
 
-def server_version(engine: VLLMEngine) -> Operation[str | None]:
+def server_version() -> Operation[str | None]:
     """The server's ``/version`` (None when it does not say)."""
     response = yield Call("GET", "/version")
     version = dig(body_json(response), "version") if response.status_code == 200 else None
     return str(version) if version else None
 
 
-def warn_inplace(engine: VLLMEngine, name: str, path: str) -> Operation[None]:
+def warn_inplace(url: str, name: str, path: str) -> Operation[None]:
     """Warn, on a release that keeps ``load_inplace`` set (or one that does not say), what an
-    in-place load costs there."""
-    version = yield from server_version(engine)
+    in-place load costs there (the server at ``url``)."""
+    version = yield from server_version()
     if rules_for(version).inplace_persists:
         warnings.warn(
-            f"vLLM {version or '(version unknown)'} at {engine.url} keeps load_inplace=True on the request it caches for "
+            f"vLLM {version or '(version unknown)'} at {url} keeps load_inplace=True on the request it caches for "
             f"{name!r}, so its worker re-reads {path} on every step: keep those files until the name is unloaded "
             "(deleting them kills the EngineCore), and a reload from the same path may serve stale prefix-cache blocks. "
             "vLLM 0.33 fixed the re-reading; publish versioned names instead (the Publisher's default)",
@@ -80,13 +78,14 @@ def reused_name_error(kind: str, url: str, name: str, version: str | None) -> Ad
     )
 
 
-def refuse_name_in_use(engine: VLLMEngine, name: str) -> Operation[None]:
+def refuse_name_in_use(name: str, *, kind: str, url: str, in_use: Callable[[], Operation[frozenset[str] | None]]) -> Operation[None]:
     """Before ``name`` is loaded again (this client unloaded it): refuse on a release before 0.34
-    while vLLM's ``/metrics`` still names it among running or waiting requests. A server without
-    the gauge cannot be asked, and the load goes ahead."""
-    version = yield from server_version(engine)
+    while vLLM's ``/metrics`` (``in_use``, the client's own reading of it) still names it among
+    running or waiting requests. A server without the gauge cannot be asked, and the load goes
+    ahead."""
+    version = yield from server_version()
     if rules_for(version).request_identity_has_id:
         return
-    in_use = yield from engine._in_use()
-    if in_use is not None and name in in_use:
-        raise reused_name_error(engine.kind, engine.url, name, version)
+    names = yield from in_use()
+    if names is not None and name in names:
+        raise reused_name_error(kind, url, name, version)
