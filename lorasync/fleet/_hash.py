@@ -31,6 +31,7 @@ most of its time hashing the 15 that did not change.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import ctypes
 import os
 import threading
@@ -41,7 +42,7 @@ from typing import Any
 import torch
 
 from lorasync.adapter._adapter import HASH_PREFIX, Adapter, _canonical_config, _hasher, tensor_header
-from lorasync.publisher._digest import PublishDigest
+from lorasync.publisher._digest import PublishDigest, refuse_freed
 
 __all__ = ["Gate", "HashJob", "content_hash", "scan"]
 
@@ -186,8 +187,8 @@ async def scan(jobs: Sequence[HashJob], on_changed: Changed, *, gate: Gate | Non
     # A worker's on_changed calls are queued before its completion (one FIFO queue), so every
     # on_changed has run when the gather returns.
     finished = [loop.create_future() for _ in range(max(1, min(workers, len(jobs))))]
-    for done in finished:
-        threading.Thread(target=run, args=(done,), name="lorasync-fleet-hash", daemon=True).start()
+    for done in finished:  # each in a copy of the round's context (the caller's thread, for the watch)
+        threading.Thread(target=contextvars.copy_context().run, args=(run, done), name="lorasync-fleet-hash", daemon=True).start()
     try:
         await asyncio.gather(*finished)
     except BaseException:
@@ -221,6 +222,7 @@ def _check(job: HashJob) -> tuple[Adapter | None, PublishDigest | None]:
         from lorasync.exporters.fsdp import export
 
         adapter = export(adapter)
+    refuse_freed(adapter)  # before any read of the trainer's memory
     if not job.copy:
         # No watch: nothing read here is served. A hash equal to the current version's means every
         # byte read was that version's (the engine goes on serving it, whole); a different one only

@@ -17,7 +17,7 @@ from lorasync.adapter._adapter import Adapter
 from lorasync.publisher._digest import PublishDigest
 from lorasync.fleet._hash import Gate, content_hash
 from lorasync.fleet._plan import FleetReport, TenantReport
-from lorasync.adapter._names import served_name, validate_version
+from lorasync.adapter._names import parse_served_name, served_name, validate_version
 from lorasync.adapter._probe import Probe
 from lorasync.publisher._publisher import Publisher
 from lorasync.publisher._report import PublishReport
@@ -230,12 +230,33 @@ async def step(tenant: Tenant, report: FleetReport, adapter: Adapter, version: i
         tenant._stepping = None
         staged()
     same = version == tenant.version and published.content_hash == tenant.content_hash  # its current version, checked again
-    if any(r.ok for r in published.results) and not same:  # engines that failed get it on the next round (restore)
+    # The tenant moves to ``version`` only where an engine loaded it. A publish whose every engine
+    # answered "unchanged" found the engines serving these bytes already, under the version they
+    # serve (the trainer stepped away and back, a cancelled round's load landed, a GPU adapter's
+    # device hash never equals the files' hash): that version stays the tenant's, and no name is
+    # reported that no engine serves. Engines that failed get it on the next round (restore).
+    if any(r.ok and r.status == "loaded" for r in published.results) and not same:
         tenant.version, tenant.content_hash, tenant._probe = version, published.content_hash, probe
         tenant._copy = adapter if owned else await restore_copy(adapter, published)  # type: ignore[assignment]
+    elif published.ok and published.content_hash != tenant.content_hash and (served := _served_as(published, tenant.name)) is not None:
+        # Engines serve these new bytes already, under a version after the tenant's own (a load
+        # whose round was cancelled after it landed): that version becomes the tenant's.
+        if tenant.version is None or served > tenant.version:
+            tenant.version, tenant.content_hash, tenant._probe = served, published.content_hash, probe
+            tenant._copy = adapter if owned else await restore_copy(adapter, published)  # type: ignore[assignment]
     failed = next((r.error for r in published.results if not r.ok), None)
     status = "failed" if not published.ok else "unchanged" if all(r.status == "unchanged" for r in published.results) else "loaded"
     report.tenants[tenant.name] = TenantReport(tenant.name, tenant.registration, status, tenant.version, tenant.served_name, publish=published, error=failed)
+
+
+def _served_as(published: PublishReport, name: str) -> int | None:
+    """The one version every engine of an all-"unchanged" publish serves its bytes under (None:
+    some engine loaded or failed, or they disagree)."""
+    found = {parse_served_name(r.served_name) for r in published.results}
+    if not published.results or any(r.status != "unchanged" for r in published.results) or len(found) != 1:
+        return None
+    only = found.pop()
+    return only[1] if only is not None and only[0] == name else None
 
 
 async def restore(tenant: Tenant, report: FleetReport) -> None:

@@ -44,7 +44,8 @@ from collections.abc import Awaitable, Callable
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from lorasync.errors import AdapterChangedError
+from lorasync.errors import AdapterChangedError, AdapterError
+from lorasync.runtime._lifecycle import CALLER_THREAD
 from lorasync.transports._snapshot import owned_copy
 
 if TYPE_CHECKING:
@@ -52,7 +53,7 @@ if TYPE_CHECKING:
 
     from lorasync.adapter._adapter import Adapter
 
-__all__ = ["PublishDigest", "watch_optimizer_steps"]
+__all__ = ["PublishDigest", "refuse_freed", "watch_optimizer_steps"]
 
 
 class PublishDigest:
@@ -68,6 +69,7 @@ class PublishDigest:
         self.seconds = 0.0  # spent in a hashing pass of its own (0 when the write pass gave it)
         self.from_write = False  # the value came from the disk write pass (the files hold exactly the hashed bytes)
         self.torn: str | None = None  # why the hash (or write) pass is not one state of the tensors
+        refuse_freed(adapter)
         self._watch = _Watch(adapter)
         self._owned: Adapter | None = None
         self._lock = asyncio.Lock()
@@ -162,7 +164,10 @@ class _Watch:
         self._versions = _versions(self._tensors)
         with _STEPS.lock:
             self._seq = _STEPS.seq
-            self._running = _STEPS.still_running()  # optimizers mid-step right now
+            # Optimizers mid-step right now, but for steps of the thread that is waiting in this very
+            # publish (a publish from an optimizer's step hook or closure: that step cannot go on
+            # until the publish returns, so its tensors hold still meanwhile).
+            self._running = _STEPS.still_running(paused=CALLER_THREAD.get())
 
     def changed(self) -> str | None:
         now = _versions(self._tensors)
@@ -179,6 +184,28 @@ class _Watch:
             if _shares_storage(optimizer, self._tensors):
                 return f"a step of {type(optimizer).__name__} over them"
         return "more optimizer steps than lorasync keeps track of" if lost else None
+
+
+def refuse_freed(adapter: Adapter) -> None:
+    """Refuse an adapter whose tensors lost their memory after it was built (no-copy exports
+    share the trainer's storage, and FSDP's reshard frees the unsharded parameters'): reading
+    them would publish whatever the freed address holds (zeros were served). ~0.4 us a tensor.
+
+    Raises:
+        AdapterError: naming the first such tensor, and what to export instead.
+    """
+    for key, tensor in adapter.tensors.items():
+        try:
+            short = tensor.untyped_storage().nbytes() < tensor.nbytes
+        except (RuntimeError, NotImplementedError, AttributeError):  # no plain storage: the readers decide
+            continue
+        if short:
+            raise AdapterError(
+                f"{key} has no memory behind it any more: the trainer freed its storage after the export (FSDP "
+                "reshards unsharded parameters when summon_full_params exits or after forward). Nothing was "
+                "published. Export and publish while the full parameters are held, or export with copy=True",
+                key=key,
+            )
 
 
 def _versions(tensors: list[torch.Tensor]) -> list[int | None]:
@@ -229,7 +256,7 @@ class _StepLog:
         self.running: dict[int, tuple[weakref.ref[Any], int, Any]] = {}
         self.installed = False
 
-    def still_running(self) -> list[weakref.ref[Any]]:
+    def still_running(self, *, paused: int | None = None) -> list[weakref.ref[Any]]:
         """The optimizers mid-step now (under ``lock``). torch runs no post hook when a step
         raises (an OOM, a KeyboardInterrupt the loop handles), so a step is running only while
         the frame that called its pre hook is still on its thread's stack; the others are
@@ -240,7 +267,7 @@ class _StepLog:
         for key, (_, thread, frame) in list(self.running.items()):
             if not _on_stack(frame, stacks.get(thread)):
                 del self.running[key]
-        return [ref for ref, _, _ in self.running.values()]
+        return [ref for ref, thread, _ in self.running.values() if thread != paused]
 
 
 def _on_stack(frame: Any, top: Any) -> bool:

@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 
 from lorasync.errors import BlockingCallError, PublisherClosedError
 
-__all__ = ["Lifecycle", "async_entry", "blocking"]
+__all__ = ["CALLER_THREAD", "Lifecycle", "async_entry", "blocking"]
 
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 
@@ -37,6 +37,12 @@ F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 _INSIDE: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar("lorasync_inside", default=frozenset())
 
 _LIVE: weakref.WeakSet[Lifecycle] = weakref.WeakSet()
+
+#: The thread blocked in the sync call whose coroutine runs in this context (set by
+#: :func:`blocking`); None for an ``a``-method awaited on the caller's own loop. The torn-read
+#: watch does not count a step of that thread as running: it cannot go on while the call waits
+#: (a publish from an optimizer's step hook or closure).
+CALLER_THREAD: contextvars.ContextVar[int | None] = contextvars.ContextVar("lorasync_caller_thread", default=None)
 
 
 class Lifecycle:
@@ -190,12 +196,17 @@ def blocking(instead: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]
         @functools.wraps(stub)
         def face(self: Any, *args: Any, **kwargs: Any) -> Any:
             self._life.check_sync(call, instead)
-            return self._loop.run(getattr(self, twin)(*args, **kwargs))
+            return self._loop.run(_called_from(threading.get_ident(), getattr(self, twin)(*args, **kwargs)))
 
         face.__lorasync_twin__ = twin  # type: ignore[attr-defined]
         return face
 
     return wrap
+
+
+async def _called_from(thread: int, call: Awaitable[Any]) -> Any:
+    CALLER_THREAD.set(thread)  # this task's own context, and everything it starts
+    return await call
 
 
 def _after_fork_in_child() -> None:
