@@ -34,6 +34,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from lorasync.runtime._lifecycle import Closing
 from lorasync.runtime._loop import to_thread
 from lorasync.errors import CapabilityError, IncompatibleAdapterError, LoraNotEnabledError, RankTooLargeError
 
@@ -140,7 +141,7 @@ class Capabilities:
                 )
 
 
-class Engine:
+class Engine(Closing):
     """What every engine client subclasses: set ``kind`` and implement the four methods."""
 
     kind: ClassVar[str] = ""
@@ -330,17 +331,6 @@ class Engine:
     async def aclose(self) -> None:
         self.close()
 
-    def __enter__(self) -> Engine:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    async def __aenter__(self) -> Engine:
-        return self
-
-    async def __aexit__(self, *exc: Any) -> None:
-        await self.aclose()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(url={self.url!r})"

@@ -26,12 +26,12 @@ import contextlib
 import os
 import time
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from lorasync.fleet._engines import FleetEngines
 from lorasync.fleet._plan import FleetReport, SlotNeed, plan_slots
 from lorasync.fleet._round import Shared, check_round, publish_round, run_round
-from lorasync.runtime._lifecycle import Lifecycle, async_entry, blocking
+from lorasync.runtime._lifecycle import Closing, Lifecycle, async_entry, blocking
 from lorasync.runtime._loop import LoopLock, LoopThread, held
 from lorasync.adapter._names import parse_served_name, served_name, validate_name
 from lorasync.adapter._probe import Probe
@@ -43,13 +43,10 @@ from lorasync.engines._registry import engine_list
 from lorasync.fleet._tenant import Tenant, list_all, release, unload_drained, where
 from lorasync.errors import ConfigError, LoraSyncError
 
-if TYPE_CHECKING:
-    from typing_extensions import Self
-
 __all__ = ["Fleet"]
 
 
-class Fleet(FleetEngines):
+class Fleet(FleetEngines, Closing):
     """Publishes many tenants' adapters to shared engines, one round per training step.
 
     Args:
@@ -337,14 +334,3 @@ class Fleet(FleetEngines):
                     await tenant.publisher._close_out()
                 tenant.publisher._release()
 
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(self, *exc: Any) -> None:
-        await self.aclose()

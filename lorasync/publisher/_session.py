@@ -27,10 +27,10 @@ import os
 import threading
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from lorasync.publisher._aftercare import Aftercare
-from lorasync.runtime._lifecycle import Lifecycle, async_entry, blocking
+from lorasync.runtime._lifecycle import Closing, Lifecycle, async_entry, blocking
 from lorasync.runtime._loop import LoopLock, LoopThread, held
 from lorasync.adapter._names import parse_served_name, served_name, validate_version
 from lorasync.engines._engine import Engine
@@ -38,15 +38,12 @@ from lorasync.engines._hosts import server_key
 from lorasync.errors import ConfigError, LoraSyncError, VerificationError
 from lorasync.transports._store import DiskStore
 
-if TYPE_CHECKING:
-    from typing_extensions import Self
-
 __all__ = ["PublisherLife", "aclose_all", "refuse_duplicates"]
 
 _SERVED_AS_KEPT = 4096  # "unchanged" versions remembered for lease(); one small entry each
 
 
-class PublisherLife:
+class PublisherLife(Closing):
     """The lifecycle half of :class:`~lorasync.Publisher` (see the module docstring)."""
 
     name: str
@@ -306,17 +303,6 @@ class PublisherLife:
         if care is not None:
             care.background.forget_after_fork()
 
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(self, *exc: Any) -> None:
-        await self.aclose()
 
 
 def _let_go(loop: LoopThread, store: DiskStore, made: list[Engine], pid: int) -> None:

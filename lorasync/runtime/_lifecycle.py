@@ -25,11 +25,14 @@ import os
 import threading
 import weakref
 from collections.abc import Awaitable, Callable, Iterable, Iterator
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from lorasync.errors import BlockingCallError, PublisherClosedError
 
-__all__ = ["CALLER_THREAD", "Lifecycle", "async_entry", "blocking"]
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+__all__ = ["CALLER_THREAD", "Closing", "Lifecycle", "async_entry", "blocking"]
 
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 
@@ -174,6 +177,23 @@ def async_entry(call: str) -> Callable[[F], F]:
         return entry  # type: ignore[return-value]
 
     return wrap
+
+
+class Closing:
+    """``with`` and ``async with`` for an object with ``close()`` and ``aclose()`` (publishers,
+    fleets, engines): the block's end closes it, however the block ends."""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()  # type: ignore[attr-defined]
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()  # type: ignore[attr-defined]
 
 
 def blocking(instead: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
