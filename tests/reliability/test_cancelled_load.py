@@ -19,7 +19,8 @@ from typing import Any
 
 import pytest
 
-from lorasync import Publisher, _cancelled
+from lorasync import Publisher
+from lorasync.publisher import _cancelled
 from lorasync.errors import EngineTimeoutError
 from lorasync.testing import make_tiny_model, tiny_llama_adapter
 from tests.reliability._trust import same, served_lora
