@@ -41,7 +41,7 @@ def pull(pull_server):
     engine.close()
 
 
-def test_pull_publishes_versions_exact_against_peft(pull, trainer, tiny_model_dir, tmp_path):
+def test_pull_publishes_versions_exact_against_peft(pull, pull_server, trainer, tiny_model_dir, tmp_path):
     pub = Publisher([pull], name="pol", transport="disk", root=tmp_path / "store", keep=1)
     models, tokens = {}, {}
     for version, seed in ((1, 41), (2, 42)):
@@ -57,6 +57,10 @@ def test_pull_publishes_versions_exact_against_peft(pull, trainer, tiny_model_di
         tokens[version] = [pull.greedy(served, list(p), 6)[0] for p in PROMPTS]
         assert tokens[version] == [reference(model, p) for p in PROMPTS]
     assert tokens[1] != tokens[2]
+    # vLLM's resolver loaded them (no load call): its own log line says so.
+    log = pull_server[0].log_path.read_text()
+    for served in ("pol@v1", "pol@v2"):
+        assert f"Resolved and loaded LoRA adapter '{served}' using FilesystemResolver" in log
     # No temporary directory is left where the resolver looks.
     assert sorted(p.name for p in pull.pull_dir.iterdir() if p.name.startswith("pol")) == ["pol@v1", "pol@v2"]
     # The publisher retired v1 (keep=1), but the engine keeps the newest two directories: a
