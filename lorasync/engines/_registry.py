@@ -175,6 +175,7 @@ engine_registry = Registry(ENGINE_GROUP, what="engine")
 BUILTIN_ENGINES = {
     "vllm": "lorasync.engines.vllm:VLLMEngine",
     "vllm-inprocess": "lorasync.engines.vllm.inprocess:VLLMInProcessEngine",
+    "vllm-pull": "lorasync.engines.vllm.pull:VLLMPullEngine",
     "sglang": "lorasync.engines.sglang:SGLangEngine",
     "peft": "lorasync.engines.peft:PeftEngine",
     "ray": "lorasync.engines.ray_actor:RayEngine",

@@ -10,6 +10,8 @@ Layout:
   dev-mode admin routes behind the API key;
 * ``worker`` — :class:`LoraSyncWorkerExtension`, imported inside vLLM's workers (also reachable
   as ``lorasync.engines.vllm_worker``, the path users pass to ``--worker-extension-cls``);
+* ``pull`` — :class:`VLLMPullEngine` (kind ``vllm-pull``): publishes by writing versions where
+  vLLM's filesystem LoRA resolver looks (imported on demand);
 * ``inprocess`` — :class:`VLLMInProcessEngine` for a ``vllm.LLM`` / ``AsyncLLM`` in this process
   (imported on demand: it needs vLLM).
 """
