@@ -158,7 +158,9 @@ class VLLMPullEngine(VLLMEngine):
         config["base_model_name_or_path"] = base
         temp = self.pull_dir / f"{_TEMP}{uuid.uuid4().hex}"
         try:
-            shutil.copytree(source, temp)
+            # The config last: vLLM's resolver takes a directory only once it holds one, so a
+            # staging directory left by a process that died mid-copy can never be loaded by name.
+            shutil.copytree(source, temp, ignore=shutil.ignore_patterns("adapter_config.json"))
             (temp / "adapter_config.json").write_text(json.dumps(config, indent=2))
             wrote = self._publish_directory(temp, target, name)
         finally:
