@@ -192,7 +192,8 @@ def _exec_python(block: Block, ns: dict[str, Any], request: pytest.FixtureReques
     if block.marker("vllm") is not None:
         server = request.getfixturevalue("vllm_server")
         vllm_url = server.url
-        code = code.replace(VLLM_URL, vllm_url).replace("/models/base", str(request.getfixturevalue("tiny_model_dir")))
+        tiny = str(request.getfixturevalue("tiny_model_dir"))  # the base the harness's server serves
+        code = code.replace(VLLM_URL, vllm_url).replace("/models/base", tiny).replace("/tmp/tiny", tiny)
     try:
         exec(compile(code, block.id, "exec"), ns)  # noqa: S102 - the docs are this repo's own
     finally:
