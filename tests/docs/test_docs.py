@@ -253,3 +253,15 @@ def _run_bash(block: Block, request: pytest.FixtureRequest, tmp: Path) -> None:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     assert proc.returncode == 0, f"{block.id} exited {proc.returncode}\n--- stdout\n{out[-3000:]}\n--- stderr\n{err[-3000:]}"
+
+
+def test_the_recipes_publish_to_the_base_getting_started_leaves_serving() -> None:
+    """A recipe block pasted after getting started finds its base: the folder getting-started's
+    make-base writes and vLLM serves (a pasted GRPO block once named /models/base, which nothing made)."""
+    import re
+
+    docs = Path(__file__).parents[2] / "docs"
+    made = re.findall(r"demo --make-base (\S+)", (docs / "getting-started.md").read_text())
+    recipes = (docs / "recipes.md").read_text()
+    used = set(re.findall(r'model="(/[^"]+)"', recipes))
+    assert made and used and used <= set(made), (made, used)
