@@ -222,8 +222,8 @@ def _check(job: HashJob) -> tuple[Adapter | None, PublishDigest | None]:
         from lorasync.exporters.fsdp import export
 
         adapter = export(adapter)
-    refuse_freed(adapter)  # before any read of the trainer's memory
     if not job.copy:
+        refuse_freed(adapter)  # before any read of the trainer's memory (PublishDigest does it below)
         # No watch: nothing read here is served. A hash equal to the current version's means every
         # byte read was that version's (the engine goes on serving it, whole); a different one only
         # starts the publish, which reads and hashes the tensors again under its own watch. The
