@@ -9,6 +9,7 @@ retirement, v1 was unloaded and its directory deleted, the reload raised
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -17,21 +18,62 @@ from typing import Any
 import httpx
 import torch
 
-LONG = 480  # tokens of each in-flight request
-V1_REQUESTS = 8  # with --max-num-seqs 2 they run two at a time, the rest waiting: seconds in flight
+# The scenario's own tiny model has a longer context than the shared one (512), so one request
+# decodes for seconds: v1's requests are started, seen decoding (their first token streamed back),
+# and then v2 and v3 are published while they run. An earlier design waited on /metrics for a
+# batch of 480-token requests, and on a loaded CI box the batch ran out while /metrics answered.
+CONTEXT = 2048
+LONG = 1600  # tokens of each in-flight request
+V1_REQUESTS = 4  # with --max-num-seqs 4 all decode at once, each streaming its tokens
 PROMPT = [5, 17, 99, 230, 41]
 
 
-def _complete(url: str, model: str, max_tokens: int) -> list[int]:
-    """Greedy tokens of one request, through lorasync's own vLLM client (a fresh one per call:
-    requests run in threads)."""
-    from lorasync.engines import connect
+class _Stream:
+    """One streamed greedy request: ``first`` is set once the engine sent a token (the request
+    is in the engine, decoding), ``tokens`` grows as they arrive, ``error`` says how it failed and
+    ``refused`` whether vLLM's API server turned it away before handing it to the engine (404:
+    the name was not served when it arrived)."""
 
-    engine = connect("vllm", url, timeout=600)
-    try:
-        return engine.greedy(model, PROMPT, max_tokens)[0]
-    finally:
-        engine.close()
+    def __init__(self, url: str, model: str, max_tokens: int, on_end: Any) -> None:
+        self.url, self.model, self.max_tokens, self.on_end = url, model, max_tokens, on_end
+        self.first = threading.Event()
+        self.tokens: list[int] = []
+        self.error: BaseException | None = None
+        self.refused = False
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        body = {"model": self.model, "prompt": PROMPT, "max_tokens": self.max_tokens, "temperature": 0.0,
+                "ignore_eos": True, "return_token_ids": True, "stream": True}  # fmt: skip
+        try:
+            with httpx.stream("POST", f"{self.url}/v1/completions", json=body, timeout=600) as response:
+                if response.status_code == 404:
+                    self.refused = True
+                response.raise_for_status()
+                for line in response.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    for choice in json.loads(line[6:]).get("choices", ()):
+                        self.tokens += [int(t) for t in choice.get("token_ids") or ()]
+                    if self.tokens:
+                        self.first.set()
+        except Exception as exc:  # a lost request, recorded by the scenario
+            self.error = exc
+        self.first.set()
+        self.on_end(self)
+
+    @property
+    def running(self) -> bool:
+        return self.thread.is_alive()
+
+
+def _complete(url: str, model: str, max_tokens: int) -> list[int]:
+    """Greedy tokens of one request (not streamed)."""
+    body = {"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
+    response = httpx.post(f"{url}/v1/completions", json=body, timeout=600)
+    response.raise_for_status()
+    return [int(t) for t in response.json()["choices"][0]["token_ids"]]
 
 
 def _reference(model: Any, n: int) -> list[int]:
@@ -49,39 +91,32 @@ def _poll(check: Any, timeout: float = 60.0) -> bool:
     return bool(check())
 
 
-def _admitted(url: str) -> int:
-    """Requests the engine core holds (running + waiting), from vLLM's ``/metrics``. A request
-    the API server still tokenises or queues is in neither, nor in the LoRA gauge retirement
-    reads: the scenario waits until every v1 request is in the engine before it publishes, so
-    "a v1 thread still runs" means "the engine knew of a v1 request" (a CI run on a loaded box
-    published while one was still outside the engine and counted its retirement a violation)."""
-    total = 0.0
-    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
-        if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")):
-            total += float(line.rsplit(" ", 1)[1])
-    return int(total)
-
-
 def run_vllm_inflight(model_dir: Path, python: Path, work: Path) -> dict[str, Any]:
     """Start a one-slot vLLM, publish v1, v2, v3 with requests in flight; count what was lost.
+
+    Args:
+        model_dir: unused beyond its presence (the scenario builds the same tiny model with a
+            ``CONTEXT``-token context in ``work``).
 
     Returns:
         ``{"requests", "expected", "lost", "deaths", "violations", "timeline", "overlapped"}``:
         ``requests`` counts the requests that came back (each of the ``expected`` must);
         ``overlapped`` is True only when v1 requests were still decoding once v2's *and* v3's
-        retirements were decided, so both retirement checks and the v1-files check ran. A run
-        that overlapped less tested less: the caller runs it again.
+        retirements were decided, so both retirement checks and the v1-files check met them. A
+        run that overlapped less tested less: the caller runs it again.
     """
     from transformers import AutoModelForCausalLM
 
     from lorasync import Publisher
     from lorasync.engines import connect
     from lorasync.exporters.fsdp import export
-    from lorasync.testing import make_peft_model
+    from lorasync.testing import make_peft_model, make_tiny_model
     from lorasync.testing.vllm_server import VLLMServer
 
     torch.set_num_threads(1)
     work.mkdir(parents=True, exist_ok=True)
+    model_dir = work / "tiny-long"
+    make_tiny_model(model_dir, max_position_embeddings=CONTEXT)
     models = {v: make_peft_model(AutoModelForCausalLM.from_pretrained(model_dir), seed=300 + v) for v in (1, 2, 3)}
     violations: list[str] = []
     timeline: list[tuple[float, str]] = []
@@ -91,70 +126,60 @@ def run_vllm_inflight(model_dir: Path, python: Path, work: Path) -> dict[str, An
         timeline.append((round(time.monotonic() - t0, 2), what))
 
     server = VLLMServer(model_dir, python=python, served_model_name="tiny-base", max_loras=1, max_cpu_loras=1,
-        # Two sequences at a time: the other v1 requests wait in the scheduler (waiting requests
-        # need the adapter too), so v1 stays in use across both publishes on a fast box.
-        extra_args=("--max-num-seqs", "2"), log_path=work / "vllm-inflight.log",
-    )
+        extra_args=("--max-num-seqs", str(V1_REQUESTS), "--max-model-len", str(CONTEXT)), log_path=work / "vllm-inflight.log",
+    )  # fmt: skip
     server.start()
     requests = lost = deaths = 0
+    streams: dict[str, _Stream] = {}
+    overlapped = False
     try:
         engine = connect("vllm", server.url, timeout=120)
         pub = Publisher([engine], name="policy", keep=1, root=work / "store")
         assert pub.publish(export(models[1]), version=1).ok
         undisturbed = {1: _complete(server.url, "policy@v1", LONG)}
-        outcomes: dict[str, Any] = {}
 
-        def request(tag: str, model: str) -> None:
-            try:
-                outcomes[tag] = _complete(server.url, model, LONG)
-            except Exception as exc:  # a lost request, recorded below
-                outcomes[tag] = exc
-            mark(f"{tag} finished")
+        def start(tag: str, model: str) -> _Stream:
+            streams[tag] = _Stream(server.url, model, LONG, lambda s: mark(f"{tag} finished ({len(s.tokens)} tokens)"))
+            return streams[tag]
 
-        threads = [threading.Thread(target=request, args=(f"v1-{i}", "policy@v1")) for i in range(V1_REQUESTS)]
-        for thread in threads:
-            thread.start()
-        if not _poll(lambda: "policy@v1" in (engine.adapters_in_use() or ())):
-            violations.append("the engine never reported the v1 requests in flight")
-        if not _poll(lambda: _admitted(server.url) + sum(tag.startswith("v1-") for tag in list(outcomes)) >= V1_REQUESTS):
-            violations.append(f"the engine never held all {V1_REQUESTS} v1 requests (running + waiting)")
+        v1 = [start(f"v1-{i}", "policy@v1") for i in range(V1_REQUESTS)]
+        for stream in v1:
+            stream.first.wait(timeout=300)
+        if not all(s.tokens for s in v1):
+            violations.append("a v1 request never streamed a token")
         mark("v1 requests decoding")
         report2 = pub.publish(export(models[2]), version=2).settled()  # its retirement decided
-        # Still decoding now, so they were while v2's retirement was decided: v1 must stay. (vLLM
-        # sometimes answers the v2 load only once every v1 request finished: then nothing overlapped.)
-        overlapped = any(t.is_alive() for t in threads[:V1_REQUESTS])
-        mark(f"v2 published: retired={report2.results[0].retired} deferred={report2.results[0].deferred}")
-        if not report2.ok or (overlapped and report2.results[0].deferred != ["policy@v1"]):
+        # Still decoding now, so they were while v2's retirement was decided: v1 must stay.
+        v1_after2 = any(s.running for s in v1)
+        mark(f"v2 published (v1 decoding after: {v1_after2}): retired={report2.results[0].retired} deferred={report2.results[0].deferred}")
+        if not report2.ok or (v1_after2 and report2.results[0].deferred != ["policy@v1"]):
             violations.append(f"v2 publish: expected v1 deferred, got {report2}")
         v1_dir = pub.store.path_for("policy", 1)
-        late = threading.Thread(target=request, args=("v2-0", "policy@v2"))
-        late.start()
-        threads.append(late)
-        # (With one slot the v2 request waits until the v1 requests are done.)
-        v1_running = any(t.is_alive() for t in threads[:V1_REQUESTS])
+        # A v2 request: with one slot it waits until v1's requests are done. It may reach the
+        # engine after v3's retirement of v2 was decided (then vLLM refuses it: 404, never
+        # admitted, not lost); once in the engine it must finish.
+        start("v2-0", "policy@v2")
         report3 = pub.publish(export(models[3]), version=3).settled()
-        # Still decoding once v3's retirement was decided, so they were when it was: v1 must stay.
-        # (Requests that finish during the publish, which a slow load can take seconds for, leave
-        # v1 free to go by the time its retirement is decided: a CI run saw exactly that.)
-        v1_after = any(t.is_alive() for t in threads[:V1_REQUESTS])
-        mark(f"v3 published (v1 requests running: {v1_running} before, {v1_after} after): retired={report3.results[0].retired} deferred={report3.results[0].deferred}")
-        if not report3.ok or (v1_after and "policy@v1" in report3.results[0].retired):
+        v1_after3 = any(s.running for s in v1)
+        mark(f"v3 published (v1 decoding after: {v1_after3}): retired={report3.results[0].retired} deferred={report3.results[0].deferred}")
+        if not report3.ok or (v1_after3 and "policy@v1" in report3.results[0].retired):
             violations.append(f"v3 publish retired v1 under its requests: {report3}")
-        if v1_after and not (v1_dir / "adapter_model.safetensors").is_file():
+        if v1_after3 and not (v1_dir / "adapter_model.safetensors").is_file():
             violations.append("v1's files were removed while its requests decoded")
-        # Both decisions met decoding v1 requests, or the v3 checks above could not run: the
-        # caller runs the scenario again instead of accepting a run that tested less.
-        overlapped = overlapped and v1_running and v1_after
-        for thread in threads:
-            thread.join(timeout=600)
+        overlapped = v1_after2 and v1_after3
+        for stream in streams.values():
+            stream.thread.join(timeout=600)
         undisturbed[2] = _complete(server.url, "policy@v2", LONG) if "policy@v2" in engine.list_adapters() else None
-        for tag, got in outcomes.items():
+        for tag, stream in streams.items():
+            if stream.refused and tag == "v2-0":
+                mark("v2-0 refused (404): it reached the server after v2 was retired")
+                continue
             requests += 1
             want = undisturbed[int(tag[1])]
-            if isinstance(got, Exception):
+            if stream.error is not None or stream.running:
                 lost += 1
-                violations.append(f"request {tag} failed: {got!r}")
-            elif want is not None and got != want:
+                violations.append(f"request {tag} failed after {len(stream.tokens)} tokens: {stream.error!r}")
+            elif want is not None and stream.tokens != want:
                 lost += 1
                 violations.append(f"request {tag} decoded other tokens than an undisturbed run")
         if not server.alive() or httpx.get(f"{server.url}/health", timeout=30).status_code != 200:
@@ -178,5 +203,5 @@ def run_vllm_inflight(model_dir: Path, python: Path, work: Path) -> dict[str, An
         if not server.alive():
             deaths = max(deaths, 1)
         server.stop()
-    expected = V1_REQUESTS + 1  # the v1 requests and the one on v2
+    expected = V1_REQUESTS + (0 if streams.get("v2-0") and streams["v2-0"].refused else 1)
     return {"requests": requests, "expected": expected, "lost": lost, "deaths": deaths, "violations": violations, "timeline": timeline, "overlapped": overlapped}

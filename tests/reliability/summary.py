@@ -132,7 +132,7 @@ def _vllm_inflight() -> dict[str, object]:
     with tempfile.TemporaryDirectory(prefix="lorasync-inflight-") as tmp:
         model = Path(tmp) / "tiny"
         make_tiny_model(model)
-        for attempt in range(3):  # as the test: a run where nothing overlapped tested nothing
+        for attempt in range(3):  # as the test: a run where nothing overlapped tested less
             outcome = run_vllm_inflight(model, python, Path(tmp) / f"run{attempt}")
             if outcome["violations"] or outcome["overlapped"]:
                 break
