@@ -46,7 +46,8 @@ from typing import Any
 
 import torch
 
-from lorasync.engines.vllm._protocol import CONFIG_KEY, IPC_PREFIX, CudaStage, ShmStage, check_token
+from lorasync.engines.vllm._build import fold_scaling, owned_copy
+from lorasync.engines.vllm._protocol import CONFIG_KEY, IPC_PREFIX, NO_STAGE, CudaStage, ShmStage, check_token, read_stage_file
 from lorasync.engines.vllm._slots import install_slot_write, slot_writes
 from lorasync.errors import ConfigError, CudaIpcUnavailableError
 from lorasync.wire.cuda_ipc import import_tensors
@@ -66,6 +67,10 @@ class LoraSyncWorkerExtension:
     """Methods mixed into vLLM's worker; call them through ``/collective_rpc``."""
 
     def lorasync_ping(self) -> str:
+        # The client's capability probe: teaches the LoRA manager lorasync's paths already, so the
+        # first publish can take the one-trip load (stage spec read at load).
+        if getattr(getattr(self, "model_runner", None), "lora_manager", None) is not None:
+            _install_loader(self)
         return "lorasync"
 
     def lorasync_stage_adapter(self, spec_json: str) -> dict[str, Any]:
@@ -142,18 +147,37 @@ class LoraSyncWorkerExtension:
 
         ``spec_json``: a :class:`~lorasync.engines.vllm._protocol.ShmStage` without a token.
         """
-        from lorasync.engines.vllm import _lora_compat
-        from lorasync.engines.vllm._surface import version_text
-
         spec = ShmStage.from_json(spec_json)
         tensors, _ = read_segment(spec.shm, spec.nbytes)
-        rules = _lora_compat.rules_for(version_text())
-        if rules.base_layer_names:
-            tensors = _lora_compat.to_base_layer_names(tensors, self.model_runner.model)  # type: ignore[attr-defined]
-        # reload_weights re-runs the post-load processing (CPU/GPU kernels repack weights) and
-        # resets LoRA state derived from the old weights.
-        self.model_runner.reload_weights(weights_iterator=iter(tensors.items()), is_checkpoint_format=True)  # type: ignore[attr-defined]
-        return {"updated": len(tensors)}
+        return _reload(self, tensors)
+
+    def lorasync_update_weights_cuda(self, spec_json: str) -> dict[str, Any]:
+        """Load base weights (HF names) from the trainer's GPU memory (CUDA IPC) into this
+        worker's GPU, device to device, then as :meth:`lorasync_update_weights`.
+
+        ``spec_json``: ``CudaShare.spec`` of ``lorasync.wire.cuda_ipc`` as JSON. Answers
+        ``{"staged": False, "reason": ...}`` when this worker cannot map that memory (the client
+        then sends the bucket through shared memory).
+        """
+        try:
+            tensors, _ = import_tensors(json.loads(spec_json), device=_stage_device(self, False))
+        except CudaIpcUnavailableError as exc:
+            return {"staged": False, "reason": str(exc)}
+        return {**_reload(self, tensors), "staged": True}
+
+
+def _reload(worker: Any, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Load base weights (HF names) with the model's own loader, as a checkpoint would."""
+    from lorasync.engines.vllm import _lora_compat
+    from lorasync.engines.vllm._surface import version_text
+
+    rules = _lora_compat.rules_for(version_text())
+    if rules.base_layer_names:
+        tensors = _lora_compat.to_base_layer_names(tensors, worker.model_runner.model)
+    # reload_weights re-runs the post-load processing (CPU/GPU kernels repack weights) and
+    # resets LoRA state derived from the old weights.
+    worker.model_runner.reload_weights(weights_iterator=iter(tensors.items()), is_checkpoint_format=True)
+    return {"updated": len(tensors)}
 
 
 def _stage_device(worker: Any, on_gpu: bool) -> Any:
@@ -201,11 +225,34 @@ def _install_loader(worker: Any) -> None:
         path = str(lora_request.lora_path)
         if not path.startswith(IPC_PREFIX):
             return original(lora_request)
-        return _load_staged(self, lora_request, path[len(IPC_PREFIX) :])
+        token = path[len(IPC_PREFIX) :]
+        _stage_from_file(worker, token)
+        return _load_staged(self, lora_request, token)
 
     manager._load_adapter = types.MethodType(_load_adapter, manager)
     install_slot_write(getattr(manager, "_adapter_manager", None))
     manager._lorasync_installed = True
+
+
+def _stage_from_file(worker: Any, token: str) -> None:
+    """Stage ``token`` from the spec file its client wrote beside the load (one round trip:
+    ``_protocol.write_stage_file``), unless it is staged already or there is no such file (the
+    load then answers vLLM's "not found", and a client of the one-trip path stages by RPC).
+
+    Raises:
+        RuntimeError: the spec names GPU memory this worker cannot map; says ``NO_STAGE``.
+    """
+    with _LOCK:
+        if token in _STAGED or token in _RELEASED:
+            return
+    stage = read_stage_file(token)
+    if stage is None:
+        return
+    try:
+        tensors, metadata = import_tensors(stage.ipc, device=_stage_device(worker, stage.on_gpu))
+    except CudaIpcUnavailableError as exc:
+        raise RuntimeError(f"{NO_STAGE}: {exc}") from exc
+    _stage(worker, token, tensors, metadata)
 
 
 #: Where vLLM keeps ``LoRAAdapterNotFoundError``, newest first (0.32: ``vllm.exceptions``).
@@ -245,7 +292,13 @@ def _load_staged(manager: Any, lora_request: Any, token: str) -> Any:
     skip_prefixes = getattr(model, "lora_skip_prefixes", None)
     # 0.34 also refuses factors of layers it does not wrap (BERT's pooler.dense); none before.
     unsupported = getattr(adapter_manager, "unsupported_lora_modules", None)
-    unexpected = _unexpected_modules(tensors, _expected_modules(adapter_manager), mapper, skip_prefixes, peft_helper, unsupported)
+    # Every step publishes the same key set: the check (a regex per key) runs once per key set and
+    # manager; only a set that passed is remembered.
+    checked = adapter_manager.__dict__.setdefault("_lorasync_checked_keys", set())
+    key_set = (tuple(tensors), tuple(sorted(peft_helper.modules_to_save or ())))
+    unexpected = [] if key_set in checked else _unexpected_modules(tensors, _expected_modules(adapter_manager), mapper, skip_prefixes, peft_helper, unsupported)
+    if not unexpected and len(checked) < 64:
+        checked.add(key_set)
     if unexpected:
         raise ValueError(
             f"While loading {lora_request.lora_path}, expected target modules in {_expected_modules(adapter_manager)} but "
@@ -255,10 +308,10 @@ def _load_staged(manager: Any, lora_request: Any, token: str) -> Any:
     tensors = _local_experts(tensors, getattr(adapter_manager, "moe_ep_load_spec", None))
     lora = manager._lora_model_cls.from_lora_tensors(
         lora_model_id=lora_request.lora_int_id,
-        # A copy per build: vLLM folds alpha/r into lora_B in place (LoRALayerWeights.optimize),
-        # and rebuilds an evicted adapter from this same staged snapshot, which must stay as staged.
-        # The copy stays where the staged tensors are (host memory, or the colocated GPU: on_gpu).
-        tensors={key: t.to(dtype=dtype if isinstance(dtype, torch.dtype) else t.dtype, copy=True) for key, t in tensors.items()},
+        # A copy per build: the scale is folded into lora_B in place, and vLLM rebuilds an evicted
+        # adapter from this same staged snapshot, which must stay as staged. The copy stays where
+        # the staged tensors are (host memory, or the worker's GPU), one kernel per run (_build).
+        tensors=owned_copy(tensors, dtype if isinstance(dtype, torch.dtype) else None),
         peft_helper=peft_helper,
         # Where the staged copy is: page-locked host memory (vLLM's LoRA cache), or the worker's
         # GPU for a colocated engine (on_gpu), where vLLM's slots copy it from device memory.
@@ -271,6 +324,7 @@ def _load_staged(manager: Any, lora_request: Any, token: str) -> Any:
     # As vLLM's loader does: the request says whether the factors are PEFT's fused 3-D layout.
     lora.is_3d_lora_weight = bool(getattr(lora_request, "is_3d_lora_weight", False))
     lora._lorasync_staged = True  # activations of it may take the slot write
+    fold_scaling(lora.loras)  # what vLLM's optimize() would do module by module, in a few kernels
     _lora_compat.validate(rules, adapter_manager, lora)
     return lora
 
