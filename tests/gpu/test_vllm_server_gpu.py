@@ -60,6 +60,11 @@ def test_adapter_served_within_bf16_tolerance_of_peft(transport, engine, vllm_gp
             raise AssertionError("the CUDA IPC handoff fell back to a shared-memory copy")
 
         monkeypatch.setattr(client, "to_shm_segment", no_host_copy)
+
+        def no_stage_rpc(*args, **kwargs):
+            raise AssertionError("the load did not carry its CUDA IPC spec (one round trip): it staged by RPC first")
+
+        monkeypatch.setattr(client.VLLMEngine, "_stage_cuda", no_stage_rpc)
     model = peft_model(load_model(qwen3_dir), seed={"disk": 1, "ipc": 2}[transport])
     model32 = fp32_twin(model)
     adapter = gpu_adapter(model)  # the trainer's own GPU tensors, no copy

@@ -29,6 +29,7 @@ Error mapping lives in ``_errors``, body parsing in ``_bodies``, routes and spec
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import uuid
@@ -60,9 +61,11 @@ from lorasync.engines.vllm._protocol import (
     SERVER_INFO_ROUTE,
     UNLOAD_ROUTE,
     WORKER_EXTENSION,
+    NO_STAGE,
     CudaStage,
     ShmStage,
     one_cuda_device,
+    write_stage_file,
 )
 from lorasync.engines._versions import check_engine_version
 from lorasync.errors import (
@@ -153,6 +156,8 @@ class VLLMEngine(HTTPEngine):
         self.max_loras = max_loras
         self.same_host = is_same_host(self.url, same_host)
         self._ipc_tokens: dict[str, str] = {}  # adapter name -> token of tensors staged in the workers
+        self._one_trip_misses = 0  # GPU loads in a row whose workers could not read the stage file
+        self._cuda_updates = True  # merged buckets on a GPU go by CUDA IPC until a worker cannot map them
         self._unloaded: set[str] = set()  # names this client unloaded (requests of them may still run)
 
     # -- public API: each operation written once, driven sync and async ---------------------------
@@ -505,6 +510,11 @@ class VLLMEngine(HTTPEngine):
         config = json.dumps(adapter.config.to_peft().to_dict(), default=sorted)
         staged = False
         if self.same_host and one_cuda_device(adapter.tensors):
+            if self._one_trip_misses < 2:  # twice in a row not for these workers: RPC from then on
+                landed = yield from self._load_cuda_one_trip(name, token, adapter, config)
+                if landed:
+                    return
+                token = uuid.uuid4().hex  # the RPC stage below starts afresh
             staged = yield from self._stage_cuda(name, token, adapter, config)
         if not staged:
             # CPU tensors are copied in directly; GPU tensors come over in one transfer per device.
@@ -526,6 +536,10 @@ class VLLMEngine(HTTPEngine):
         except BaseException:
             yield from self._rpc("lorasync_release_adapter", token, adapter=name, check=False)
             raise
+        yield from self._loaded_on(name, token)
+
+    def _loaded_on(self, name: str, token: str) -> Operation[None]:
+        """``name`` now serves the tensors staged under ``token``."""
         # Released on unload. A restarted client cannot know the token: those tensors stay staged
         # in the workers until the engine restarts (documented in docs/engines/vllm.md).
         earlier = self._ipc_tokens.get(name)
@@ -548,6 +562,48 @@ class VLLMEngine(HTTPEngine):
             return False
         return True
 
+    def _load_cuda_one_trip(self, name: str, token: str, adapter: Adapter, config: str) -> Operation[bool]:
+        """Load a GPU adapter in one round trip: its CUDA IPC spec waits in a stage file the
+        workers read during the load (``_protocol.write_stage_file``). False, with nothing left
+        registered or staged, when the workers could not stage from it (another /dev/shm, another
+        user, the GPU not visible, a worker of an older lorasync, an engine restarted since the
+        capability probe taught its workers lorasync's paths): the caller stages by RPC."""
+        from lorasync.wire.cuda_ipc import share_tensors
+
+        shared = share_tensors(adapter.tensors, {CONFIG_KEY: config})
+        path = None
+        try:
+            path = write_stage_file(CudaStage(token=token, ipc=shared.spec))
+            if path is None:
+                self._one_trip_misses += 1
+                return False
+            try:
+                yield from self._load(name, IPC_PREFIX + token, False)
+            except AdapterNotFoundError:
+                self._one_trip_misses += 1  # no worker read the file
+                return False
+            except EngineError as exc:
+                if NO_STAGE not in str(exc):
+                    # As for a load of RPC-staged tensors: it may have landed before its answer was lost.
+                    if (yield from self._undo_tensor_load(name, token)):
+                        yield from self._rpc("lorasync_release_adapter", token, adapter=name, check=False)
+                    raise
+                self._one_trip_misses += 1
+                yield from self._rpc("lorasync_release_adapter", token, adapter=name, check=False)
+                return False
+            except BaseException:
+                yield from self._rpc("lorasync_release_adapter", token, adapter=name, check=False)
+                raise
+        finally:
+            if path is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+            # Every worker has its own copy (or failed): the trainer's buffer can go.
+            shared.release()
+        self._one_trip_misses = 0
+        yield from self._loaded_on(name, token)
+        return True
+
     def _stage_cuda(self, name: str, token: str, adapter: Adapter, config: str) -> Operation[bool]:
         """Hand the adapter's GPU tensors to every worker through CUDA IPC; False when some
         worker cannot map them (no CUDA, another GPU set), after undoing any partial staging."""
@@ -566,6 +622,20 @@ class VLLMEngine(HTTPEngine):
         return False
 
     def _update_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> Operation[None]:
+        if self.same_host and self._cuda_updates and one_cuda_device(named_tensors):
+            # A bucket folded on this host's GPU goes to the workers' GPUs device to device.
+            from lorasync.wire.cuda_ipc import share_tensors
+
+            shared = share_tensors(named_tensors, {})
+            try:
+                results = yield from self._rpc("lorasync_update_weights_cuda", json.dumps(shared.spec), adapter=None)
+            finally:
+                shared.release()  # every worker has its own copy (or failed)
+            if results and all(isinstance(r, dict) and r.get("staged") is True for r in results):
+                return
+            # Some worker cannot map this GPU (or is of an older lorasync): this bucket and every
+            # later one go through shared memory, which also rewrites the workers that took it.
+            self._cuda_updates = False
         segment = to_shm_segment(named_tensors)
         try:
             spec = ShmStage(shm=segment.name, nbytes=segment.nbytes).to_json()

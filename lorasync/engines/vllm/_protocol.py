@@ -13,11 +13,19 @@ spec written by another lorasync release instead of misreading it:
 * :class:`CudaStage` — an adapter packed in one GPU buffer shared by a CUDA IPC handle, the
   token beside the CUDA IPC spec of ``lorasync.wire.cuda_ipc`` (which is versioned itself:
   ``{"token": ..., "version": SPEC_VERSION, "header": ..., "ipc": ...}``).
+
+A :class:`CudaStage` may also travel with the load request itself, so a publish is one round trip
+into the engine instead of two (a stage RPC, then the load): the client writes it to
+:func:`stage_file` (``/dev/shm``, owner-only, created exclusively under the random token) and loads
+``IPC_PREFIX + token``; a worker that has not staged that token reads the file, stages and builds
+in the same call (:func:`read_stage_file`). The handle never appears in the load request, so
+``/v1/models`` (which lists every adapter's path) does not show it.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,9 +48,14 @@ __all__ = [
     "UNLOAD_ROUTE",
     "WORKER_EXTENSION",
     "CudaStage",
+    "NO_STAGE",
+    "STAGE_DIR",
     "ShmStage",
     "check_token",
     "one_cuda_device",
+    "read_stage_file",
+    "stage_file",
+    "write_stage_file",
 ]
 
 LOAD_ROUTE = "/v1/load_lora_adapter"
@@ -66,6 +79,43 @@ CONFIG_KEY = "lorasync.adapter_config"
 FUSED_MODULES = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 SHM_STAGE_VERSION = 1
+# Where a stage spec waits for the load that reads it (tmpfs: never on a disk).
+STAGE_DIR = "/dev/shm"
+# Said by a worker that cannot stage from a spec file (no file, no CUDA, the GPU not visible): the
+# client then stages by RPC, as before.
+NO_STAGE = "lorasync: cannot stage from the spec file"
+
+
+def stage_file(token: str) -> str:
+    """The path of the stage spec of ``token`` (a random hex string: never a user's name)."""
+    return os.path.join(STAGE_DIR, f"lorasync-stage-{check_token(token)}.json")
+
+
+def write_stage_file(stage: CudaStage) -> str | None:
+    """Write ``stage`` for the load that reads it, readable by this user only; created exclusively
+    (a file already there, a symlink among them, is never written through). None where there is
+    no such directory or the file cannot be made: the caller stages by RPC."""
+    path = stage_file(stage.token)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    except OSError:
+        return None
+    with os.fdopen(fd, "w") as f:
+        f.write(stage.to_json())
+    return path
+
+
+def read_stage_file(token: str) -> CudaStage | None:
+    """The stage spec a client wrote for ``token``; None when there is none (a symlink is not
+    followed; a file of another user is not read)."""
+    try:
+        fd = os.open(stage_file(token), os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return None
+    with os.fdopen(fd) as f:
+        if os.fstat(f.fileno()).st_uid != os.getuid():
+            return None
+        return CudaStage.from_json(f.read())
 
 
 def one_cuda_device(tensors: Mapping[str, Any]) -> bool:
