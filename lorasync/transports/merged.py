@@ -59,7 +59,8 @@ class MergedTransport(Transport):
     Args:
         base (`BaseWeights`): the pristine base weights.
         bucket_bytes (`int`): upper bound of one pushed bucket (peak extra memory ≈ 2 buckets).
-        device: where to fold (``"cuda"`` folds on GPU).
+        device: where to fold (``"cuda"`` folds on GPU); default: the GPU a GPU adapter lives on,
+            else where the base weights are.
     """
 
     name = "merged"
@@ -73,6 +74,17 @@ class MergedTransport(Transport):
         # One fold per publish for every engine that needs the same buckets: key -> [fold, engines in flight, owned copy].
         self._shared: dict[tuple[Any, ...], list[Any]] = {}
         self._token = object()  # this transport, in _HELD
+
+    def _device_for(self, adapter: Adapter | None) -> str | torch.device | None:
+        """Where to fold: the device given, else the GPU the adapter lives on (a trainer's GPU
+        adapter folds there, and its buckets go to an engine on this host device to device),
+        else where the base weights are."""
+        if self.device is not None or adapter is None:
+            return self.device
+        devices = {t.device for t in adapter.tensors.values()}
+        if len(devices) == 1 and next(iter(devices)).type == "cuda":
+            return next(iter(devices))
+        return None
 
     def unsupported(self, caps: Capabilities) -> str | None:
         if not caps.weight_update:
@@ -93,7 +105,7 @@ class MergedTransport(Transport):
         entry = self._shared.setdefault(key, [None, 0, None])
         if entry[0] is None:
             entry[2] = owned = owned_copy(adapter)  # one copy for every engine of the publish (none when given one)
-            entry[0] = SharedFold(lambda: fold_buckets(owned, self.base, bucket_bytes=self.bucket_bytes, restore=restore, fused=caps.fused_modules, device=self.device))
+            entry[0] = SharedFold(lambda: fold_buckets(owned, self.base, bucket_bytes=self.bucket_bytes, restore=restore, fused=caps.fused_modules, device=self._device_for(owned)))
         shared, entry[1], merging = entry[0].join(), entry[1] + 1, entry[2]  # joined before any await: all engines of the publish
         try:
             moved = await self._deliver(engine, merging, held, restore, caps, shared)
@@ -123,7 +135,7 @@ class MergedTransport(Transport):
 
     async def _push(self, engine: Engine, adapter: Adapter | None, restore: set[str], caps: Capabilities, shared: Iterator[dict[str, torch.Tensor]] | None = None) -> int:
         buckets: Iterator[dict[str, torch.Tensor]] = shared if shared is not None else fold_buckets(
-            adapter, self.base, bucket_bytes=self.bucket_bytes, restore=restore, fused=caps.fused_modules, device=self.device
+            adapter, self.base, bucket_bytes=self.bucket_bytes, restore=restore, fused=caps.fused_modules, device=self._device_for(adapter)
         )
         moved = 0
         while True:
