@@ -9,13 +9,11 @@ memory, changed in place after it was exported).
 Own code, for speed (``lorasync bench fleet``): a round with one changed tenant out of 16 spends
 most of its time hashing the 15 that did not change.
 
-* :func:`content_hash` computes exactly :attr:`Adapter.content_hash`: the same stream, the same
-  value, which the publishers record. It hands ``xxhash`` a ``ctypes`` view of each CPU
-  tensor's memory instead of three torch calls and a numpy view per tensor, and keeps each
-  tensor's header bytes (key, dtype, shape) from round to round. For a Qwen3-0.6B r16 adapter
-  (392 tensors, 20 MB) that is about 1.7 ms against 3.2-4.9 ms on the shared 2-core box of
-  docs/benchmarks.md, where the xxh3 passes alone take 0.9-1.2 ms. Tensors elsewhere (GPU, not
-  contiguous, subclasses) go through :attr:`Adapter.content_hash`.
+* :func:`content_hash` is :attr:`Adapter.content_hash`, which reads plain host tensors in place
+  (:mod:`lorasync.adapter._memory`: a ``ctypes`` view per tensor instead of three torch calls and
+  a numpy view, header bytes kept across rounds). For a Qwen3-0.6B r16 adapter (392 tensors,
+  20 MB) that is about 1.7 ms against 3.2-4.9 ms before, on the shared 2-core box of
+  docs/benchmarks.md, where the xxh3 passes alone take 0.9-1.2 ms.
 * ``xxhash`` releases the GIL while it hashes a buffer, so :func:`scan` hashes tenants in a few
   threads at once; memory bandwidth, not the GIL, then bounds it.
 * Where an engine takes tensors, the hash and the owned copy a round publishes are read under
@@ -32,16 +30,13 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import ctypes
 import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from lorasync.adapter._adapter import HASH_PREFIX, Adapter, _canonical_config, _hasher, tensor_header
+from lorasync.adapter._adapter import Adapter
 from lorasync.publisher._digest import PublishDigest, refuse_freed
 
 __all__ = ["Gate", "HashJob", "content_hash", "scan"]
@@ -50,29 +45,10 @@ __all__ = ["Gate", "HashJob", "content_hash", "scan"]
 #: memory bus is the limit.
 WORKERS = max(1, min(4, os.cpu_count() or 1))
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)  # subclasses may not keep their data at data_ptr()
-# The stream's per-tensor header by (key, dtype, shape): the same few hundred every round.
-_HEADERS: dict[tuple[str, torch.dtype, torch.Size], bytes] = {}
-
 
 def content_hash(adapter: Adapter) -> str:
-    """:attr:`Adapter.content_hash`, with less work per tensor (see the module docstring)."""
-    h = _hasher()
-    h.update(_canonical_config(adapter.config).encode())
-    for key, tensor in adapter.tensors.items():
-        if type(tensor) not in _PLAIN or not tensor.is_cpu or not tensor.is_contiguous():
-            return adapter.content_hash  # on a GPU, strided, a subclass: the general path
-        meta = (key, tensor.dtype, tensor.shape)
-        header = _HEADERS.get(meta)
-        if header is None:
-            if len(_HEADERS) > 65536:
-                _HEADERS.clear()
-            header = _HEADERS[meta] = tensor_header(key, tensor.dtype, tensor.shape)
-        h.update(header)
-        if size := tensor.nbytes:
-            # The tensor's own memory, read in place; ``tensor`` keeps it alive meanwhile.
-            h.update((ctypes.c_char * size).from_address(tensor.data_ptr()))
-    return HASH_PREFIX + h.hexdigest()
+    """:attr:`Adapter.content_hash` (host tensors are read in place: :mod:`lorasync.adapter._memory`)."""
+    return adapter.content_hash
 
 
 @dataclass(frozen=True)

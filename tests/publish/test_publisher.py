@@ -98,6 +98,17 @@ def test_disk_publish_reads_the_adapter_once_and_unchanged_leaves_no_files(adapt
         yield from original(self, h)
 
     monkeypatch.setattr(Adapter, "_hashed_chunks", counted)
+    from lorasync.adapter import _adapter
+
+    views = _adapter.host_views
+
+    def counted_views(tensors):  # the in-place pass over plain host tensors (lorasync.adapter._memory)
+        found = views(tensors)
+        if found is not None:
+            passes.append(1)
+        return found
+
+    monkeypatch.setattr(_adapter, "host_views", counted_views)
     engines = [MemoryEngine(f"memory://{i}") for i in range(3)]
     pub = Publisher(engines, name="p", transport="disk", root=tmp_path)
     fresh = Adapter(adapters(1).tensors, adapters(1).config)
