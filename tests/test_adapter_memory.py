@@ -75,6 +75,12 @@ def test_in_place_path_declines_what_it_cannot_read_in_place():
     assert _memory.host_views(tensors) is not None
     adapter = Adapter(strided, AdapterConfig(r=8, lora_alpha=16))
     assert adapter.content_hash == _reference_hash(adapter)
+    # Storage the trainer freed after the export (FSDP resizes it to 0): nothing to read in place
+    # (a raw read of that address could crash the trainer's process).
+    freed = dict(tensors)
+    freed[key] = tensors[key].clone()
+    freed[key].untyped_storage().resize_(0)
+    assert _memory.host_views(freed) is None
 
 
 def _writes(t):
