@@ -95,10 +95,26 @@ def test_a_step_during_the_disk_write_pass_leaves_no_torn_version(kind, tiny_mod
             stepping(2)  # the trainer's step lands after two tensors were hashed and written
         return original(tensor)
 
+    in_place = lorasync.adapter._adapter.host_views
+
+    class _Stepping(list):  # the in-place pass (plain host tensors) reads each view in turn
+        def __iter__(self):
+            for i, item in enumerate(list.__iter__(self)):
+                written.append(1)
+                if len(written) == 3:
+                    stepping(2)
+                yield item
+
+    def views_then_step(tensors):
+        views = in_place(tensors)
+        return None if views is None else _Stepping(views)
+
     with Publisher([engine], name="p", transport="disk", root=tmp_path) as pub:
         monkeypatch.setattr(lorasync.adapter._adapter, "raw_bytes", write_then_step)
+        monkeypatch.setattr(lorasync.adapter._adapter, "host_views", views_then_step)
         report = pub.publish(export(model), version=1).settled()
         monkeypatch.undo()
+        assert len(written) >= 3, "the step was never injected: the write pass took a path this test does not see"
         served = served_lora(engine, "p@v1")
         assert not served or same(served, before) or same(served, state(model)), "the engine serves a mix of two trainer steps"
         _consistent_or_refused(engine, report, model)
