@@ -45,6 +45,11 @@ def test_adapter_transports_serve_trained_weights(transport, vllm, trainer, tmp_
             assert Probe.from_model(model, prompt, max_tokens=6, atol=1e-3).mismatch(tokens, logprobs) is None
         seen[version] = [served_tokens(vllm, report.served_name, p)[0] for p in PROMPTS]
     assert seen[1] != seen[2]
+    # Retirement runs after publish returned (Retention.background): wait for it, as a user who
+    # looks at the engine right after a publish does, and check it retired v1 rather than
+    # deferring it (no request was in flight on v1).
+    report.settled()
+    assert report.results[0].retired == [f"{name}@v1"] and not report.results[0].deferred, report
     # keep=1: only the newest version is served; its files exist, the old one's are gone.
     assert [n for n in vllm.list_adapters() if n.startswith(name)] == [f"{name}@v2"]
     if transport == "disk":
