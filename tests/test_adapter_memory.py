@@ -106,3 +106,14 @@ def test_a_changed_byte_always_changes_the_hash(case, tmp_path):
     assert after != before, label
     assert adapter.save_hashed(tmp_path / "after")[1] == after != saved_before, label
     assert after == _reference_hash(adapter), label
+
+
+def test_in_place_path_declines_lazily_negated_tensors():
+    # A neg-bit view holds -x logically and x in memory: read in place it would hash and write x
+    # (found by the outside attack on this path).
+    tensors = _tensors()
+    key = next(iter(tensors))
+    negated = dict(tensors)
+    negated[key] = torch._neg_view(tensors[key])
+    assert negated[key].is_neg() and negated[key].is_contiguous()
+    assert _memory.host_views(negated) is None

@@ -53,6 +53,8 @@ def host_views(tensors: Mapping[str, torch.Tensor]) -> list[tuple[bytes, Any]] |
     for key, tensor in tensors.items():
         if type(tensor) not in _PLAIN or tensor.layout is not torch.strided or not tensor.is_cpu or tensor.is_meta or not tensor.is_contiguous():
             return None
+        if tensor.is_neg() or tensor.is_conj():  # lazy negation/conjugation: memory holds other values
+            return None
         if tensor.untyped_storage().nbytes() < (tensor.storage_offset() + tensor.numel()) * tensor.element_size():
             # Storage the trainer freed (FSDP resizes it to 0): no address to read in place; the
             # general path (and the publisher's refuse_freed) says what is wrong.
