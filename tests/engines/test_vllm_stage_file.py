@@ -54,3 +54,46 @@ def test_missing_file_and_bad_tokens(stage_dir: Path) -> None:
 def test_no_stage_directory_means_the_rpc_stage(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setattr(_protocol, "STAGE_DIR", str(tmp_path / "absent"))
     assert write_stage_file(CudaStage(token=uuid.uuid4().hex, ipc={})) is None
+
+
+def test_a_write_that_fails_leaves_no_file_and_means_the_rpc_stage(stage_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A full /dev/shm (ENOSPC) or a quota: no half-written spec for a worker to read, and the
+    # caller stages by RPC instead of failing the publish (found by the outside attack).
+    import errno
+
+    stage = CudaStage(token=uuid.uuid4().hex, ipc={"a": "x" * 4096})
+    real_fdopen = os.fdopen
+
+    class _Full:
+        def __init__(self, fd: int) -> None:
+            self.f = real_fdopen(fd, "w")
+
+        def __enter__(self) -> "_Full":
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            self.f.close()
+
+        def write(self, text: str) -> int:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(_protocol.os, "fdopen", lambda fd, mode="r": _Full(fd))
+    assert write_stage_file(stage) is None
+    assert not os.path.exists(stage_file(stage.token))
+
+
+def test_a_fifo_or_other_non_file_at_the_path_is_never_waited_on(stage_dir: Path) -> None:
+    """Found by the outside attack: a FIFO made at a stage path held the engine's load in open()
+    for ever. The reader opens without blocking and reads regular files only."""
+    import threading
+
+    fifo_token, dir_token, big_token = (uuid.uuid4().hex for _ in range(3))
+    os.mkfifo(stage_file(fifo_token), 0o600)
+    os.mkdir(stage_file(dir_token))
+    Path(stage_file(big_token)).write_bytes(b" " * (_protocol.MAX_STAGE_BYTES + 1))
+    answers: list[object] = []
+    reader = threading.Thread(target=lambda: answers.extend(read_stage_file(t) for t in (fifo_token, dir_token, big_token)), daemon=True)
+    reader.start()
+    reader.join(10)
+    assert not reader.is_alive(), "read_stage_file blocked on a FIFO"
+    assert answers == [None, None, None]

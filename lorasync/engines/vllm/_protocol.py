@@ -24,8 +24,10 @@ in the same call (:func:`read_stage_file`). The handle never appears in the load
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -79,11 +81,26 @@ CONFIG_KEY = "lorasync.adapter_config"
 FUSED_MODULES = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 SHM_STAGE_VERSION = 1
+# What lorasync_ping answers: "lorasync", then the worker methods an older worker lacks, after
+# colons. A client calls such a method only where every worker named it (vLLM 0.32 drops the
+# connection on an unknown collective_rpc method instead of answering an error).
+PING = "lorasync"
+CUDA_UPDATES = "cuda_updates"
+
+
+def ping_features(answers: Any) -> frozenset[str] | None:
+    """The features every worker's ``lorasync_ping`` answer names; None when some worker did not
+    answer as lorasync's extension (no extension: nothing of it may be called)."""
+    if not isinstance(answers, list) or not answers or not all(isinstance(a, str) and a.split(":")[0] == PING for a in answers):
+        return None
+    return frozenset.intersection(*(frozenset(a.split(":")[1:]) for a in answers))
 # Where a stage spec waits for the load that reads it (tmpfs: never on a disk).
 STAGE_DIR = "/dev/shm"
 # Said by a worker that cannot stage from a spec file (no file, no CUDA, the GPU not visible): the
 # client then stages by RPC, as before.
 NO_STAGE = "lorasync: cannot stage from the spec file"
+# A stage spec names a handful of tensors; anything larger at the path is not one of ours.
+MAX_STAGE_BYTES = 1 << 20
 
 
 def stage_file(token: str) -> str:
@@ -100,22 +117,39 @@ def write_stage_file(stage: CudaStage) -> str | None:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
     except OSError:
         return None
-    with os.fdopen(fd, "w") as f:
-        f.write(stage.to_json())
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(stage.to_json())
+    except OSError:  # a full /dev/shm, a quota: no half-written spec is left for a worker to read
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        return None
     return path
 
 
 def read_stage_file(token: str) -> CudaStage | None:
     """The stage spec a client wrote for ``token``; None when there is none (a symlink is not
     followed; a file of another user is not read)."""
+    # O_NONBLOCK: a FIFO (or any device) someone made at the path must not hold the engine's
+    # load in open() or read(); only a regular file of this user, at most MAX_STAGE_BYTES, is read.
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0)
     try:
-        fd = os.open(stage_file(token), os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        fd = os.open(stage_file(token), flags)
     except OSError:
         return None
-    with os.fdopen(fd) as f:
-        if os.fstat(f.fileno()).st_uid != os.getuid():
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_size > MAX_STAGE_BYTES:
             return None
-        return CudaStage.from_json(f.read())
+        chunks = []
+        while chunk := os.read(fd, MAX_STAGE_BYTES):
+            chunks.append(chunk)
+        text = b"".join(chunks).decode()
+    except (OSError, UnicodeDecodeError):
+        return None
+    finally:
+        os.close(fd)
+    return CudaStage.from_json(text)
 
 
 def one_cuda_device(tensors: Mapping[str, Any]) -> bool:
