@@ -48,7 +48,7 @@ def test_admin_routes_need_the_key(guarded: VLLMServer) -> None:
     wrong = {"Authorization": "Bearer not-the-key"}
     assert httpx.post(f"{guarded.url}/collective_rpc", json=rpc, headers=wrong).status_code == 401
     ok = httpx.post(f"{guarded.url}/collective_rpc", json=rpc, headers={"Authorization": f"Bearer {API_KEY}"})
-    assert ok.status_code == 200 and ok.json()["results"] == ["lorasync"]
+    assert ok.status_code == 200 and ok.json()["results"] == ["lorasync:cuda_updates"]  # the worker answered
     # Health and metrics stay open for load balancers and scrapers.
     assert httpx.get(f"{guarded.url}/health").status_code == 200
     assert httpx.get(f"{guarded.url}/metrics").status_code == 200

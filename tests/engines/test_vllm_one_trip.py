@@ -94,3 +94,56 @@ def test_one_trip_load_falls_back_to_the_rpc_stage_exactly(vllm_server: Any, mon
             for name in names:
                 if name in engine.list_adapters():
                     engine.unload_adapter(name)
+
+
+@pytest.mark.parametrize("worker", ["cannot_map", "older"])
+def test_a_gpu_bucket_for_workers_that_cannot_take_it_goes_through_shared_memory(vllm_server: Any, monkeypatch: pytest.MonkeyPatch, worker: str) -> None:
+    """A merged bucket on a GPU, for workers that cannot map it (no CUDA here) or of an older
+    lorasync (its ping names no CUDA updates), lands through shared memory, exactly. The older
+    worker's method is never called: vLLM 0.32 drops the connection on an unknown method, which
+    failed the publish (found by the outside attack)."""
+    monkeypatch.setattr(_client, "one_cuda_device", lambda tensors: True)
+    monkeypatch.setattr(cuda_ipc, "share_tensors", lambda t, m: _Share(t, m))
+    if worker == "older":
+        monkeypatch.setattr(VLLMEngine, "_cuda_update_method", "lorasync_no_such_method")
+        monkeypatch.setattr(_client, "ping_features", lambda answers: _protocol.ping_features(["lorasync"] * len(answers)))
+    model = make_tiny_model()
+    name = "model.layers.0.self_attn.o_proj.weight"
+    scaled = (model.state_dict()[name] * 1.5).contiguous()
+    with VLLMEngine(vllm_server.url) as engine:
+        calls: list[str] = []
+        rpc = engine._rpc
+
+        def spy(method: str, arg: str, **kwargs: Any) -> Any:
+            calls.append(method)
+            return (yield from rpc(method, arg, **kwargs))
+
+        monkeypatch.setattr(engine, "_rpc", spy)
+        try:
+            engine.begin_weight_update()
+            try:
+                engine.update_weights({name: scaled})
+            finally:
+                engine.end_weight_update()
+            assert engine._cuda_updates is False
+            expected = ["lorasync_update_weights"] if worker == "older" else ["lorasync_update_weights_cuda", "lorasync_update_weights"]
+            assert [c for c in calls if c.startswith("lorasync_update")] == expected, calls
+            with torch.no_grad():
+                model.state_dict()[name].copy_(scaled)
+            assert list(engine.generate(PROMPT, model="tiny-base", max_tokens=8).token_ids) == _greedy(model), worker
+        finally:
+            pristine = make_tiny_model().state_dict()[name]
+            engine.begin_weight_update()
+            try:
+                engine.update_weights({name: pristine.contiguous()})
+            finally:
+                engine.end_weight_update()
+
+
+def test_the_ping_names_what_every_worker_has() -> None:
+    features = _protocol.ping_features
+    assert features(["lorasync:cuda_updates", "lorasync:cuda_updates"]) == {"cuda_updates"}
+    assert features(["lorasync:cuda_updates", "lorasync"]) == frozenset()  # one older worker: none
+    assert features(["lorasync"]) == frozenset()
+    for answers in ([], ["other"], [True], None, ["lorasync", None]):
+        assert features(answers) is None

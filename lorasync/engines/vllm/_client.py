@@ -51,6 +51,7 @@ from lorasync.engines.vllm._errors import dig, disabled, engine_dead, generic, l
 from lorasync.engines.vllm._protocol import (
     COMPLETIONS_ROUTE,
     CONFIG_KEY,
+    CUDA_UPDATES,
     FUSED_MODULES,
     IPC_PREFIX,
     LOAD_ROUTE,
@@ -65,6 +66,7 @@ from lorasync.engines.vllm._protocol import (
     CudaStage,
     ShmStage,
     one_cuda_device,
+    ping_features,
     write_stage_file,
 )
 from lorasync.engines._versions import check_engine_version
@@ -118,6 +120,8 @@ class VLLMEngine(HTTPEngine):
     #: Worker-extension method (``LoraSyncWorkerExtension.lorasync_ping``) that answers a truthy
     #: value on every worker when lorasync's extension is loaded.
     worker_extension_probe: ClassVar[str] = "lorasync_ping"
+    #: Worker-extension method taking a merged bucket from this host's GPU (CUDA IPC).
+    _cuda_update_method: ClassVar[str] = "lorasync_update_weights_cuda"
     remedies: ClassVar[Mapping[str, str]] = {
         "lora": "restart the vLLM server with --enable-lora (and --max-lora-rank >= the adapter's rank)",
         "runtime_lora": f"restart the vLLM server with {RUNTIME_ENV}=1 in its environment (and --api-server-count 1)",
@@ -157,7 +161,9 @@ class VLLMEngine(HTTPEngine):
         self.same_host = is_same_host(self.url, same_host)
         self._ipc_tokens: dict[str, str] = {}  # adapter name -> token of tensors staged in the workers
         self._one_trip_misses = 0  # GPU loads in a row whose workers could not read the stage file
-        self._cuda_updates = True  # merged buckets on a GPU go by CUDA IPC until a worker cannot map them
+        # Merged buckets on a GPU go by CUDA IPC where every worker's ping named the method (None:
+        # not probed yet), until a worker cannot map them.
+        self._cuda_updates: bool | None = None
         self._unloaded: set[str] = set()  # names this client unloaded (requests of them may still run)
 
     # -- public API: each operation written once, driven sync and async ---------------------------
@@ -463,6 +469,8 @@ class VLLMEngine(HTTPEngine):
             "POST", RPC_ROUTE, json={"method": self.worker_extension_probe, "timeout": 30.0}, retry=False
         )
         results = dig(body_json(response), "results") if response.status_code == 200 else None
+        features = ping_features(results)
+        self._cuda_updates = features is not None and CUDA_UPDATES in features
         return isinstance(results, list) and bool(results) and all(results)
 
     def _load(self, name: str, path: str | os.PathLike[str], load_inplace: bool) -> Operation[None]:
@@ -580,7 +588,9 @@ class VLLMEngine(HTTPEngine):
             try:
                 yield from self._load(name, IPC_PREFIX + token, False)
             except AdapterNotFoundError:
-                self._one_trip_misses += 1  # no worker read the file
+                self._one_trip_misses += 1  # some worker did not read the file
+                # Under tensor parallelism another worker may have staged from it: let it go.
+                yield from self._rpc("lorasync_release_adapter", token, adapter=name, check=False)
                 return False
             except EngineError as exc:
                 if NO_STAGE not in str(exc):
@@ -622,13 +632,18 @@ class VLLMEngine(HTTPEngine):
         return False
 
     def _update_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> Operation[None]:
+        if self.same_host and one_cuda_device(named_tensors) and self._cuda_updates is None:
+            yield from self._has_worker_extension()  # which worker methods there are, once
         if self.same_host and self._cuda_updates and one_cuda_device(named_tensors):
             # A bucket folded on this host's GPU goes to the workers' GPUs device to device.
             from lorasync.wire.cuda_ipc import share_tensors
 
             shared = share_tensors(named_tensors, {})
             try:
-                results = yield from self._rpc("lorasync_update_weights_cuda", json.dumps(shared.spec), adapter=None)
+                # Called only where every worker's ping named it (an older worker has no such
+                # method, and vLLM 0.32 drops the connection on one); an error answer falls back
+                # below, like a worker that cannot map the memory.
+                results = yield from self._rpc(self._cuda_update_method, json.dumps(shared.spec), adapter=None, check=False)
             finally:
                 shared.release()  # every worker has its own copy (or failed)
             if results and all(isinstance(r, dict) and r.get("staged") is True for r in results):

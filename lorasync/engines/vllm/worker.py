@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from lorasync.engines.vllm._build import fold_scaling, owned_copy
-from lorasync.engines.vllm._protocol import CONFIG_KEY, IPC_PREFIX, NO_STAGE, CudaStage, ShmStage, check_token, read_stage_file
+from lorasync.engines.vllm._protocol import CONFIG_KEY, CUDA_UPDATES, IPC_PREFIX, NO_STAGE, PING, CudaStage, ShmStage, check_token, read_stage_file
 from lorasync.engines.vllm._slots import install_slot_write, slot_writes
 from lorasync.errors import ConfigError, CudaIpcUnavailableError
 from lorasync.wire.cuda_ipc import import_tensors
@@ -71,7 +71,7 @@ class LoraSyncWorkerExtension:
         # first publish can take the one-trip load (stage spec read at load).
         if getattr(getattr(self, "model_runner", None), "lora_manager", None) is not None:
             _install_loader(self)
-        return "lorasync"
+        return ":".join((PING, CUDA_UPDATES))  # what this worker has beyond an older one's
 
     def lorasync_stage_adapter(self, spec_json: str) -> dict[str, Any]:
         """Copy an adapter out of shared memory and make its IPC path loadable.
