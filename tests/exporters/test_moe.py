@@ -255,11 +255,17 @@ def test_fuse_inverts_split_bit_for_bit(rule: Any, experts: int, rank: int, inpu
     parts = split(rule, a, b, experts, path="p")
     a2, b2 = fuse(rule, parts, experts)
     assert torch.equal(a2, a) and torch.equal(b2, b)
-    # Each expert's delta is PEFT's: B.view(out, r, E)[..., e] @ A.view(E, r, in)[e].
+    # Each expert's delta is PEFT's: B.view(out, r, E)[..., e] @ A.view(E, r, in)[e]. Its factors
+    # are compared bit for bit (a float matmul of a strided view and of a contiguous copy may round
+    # differently, so equal factors are the exact check), each leaf owning its block of rows.
     for e in range(experts):
-        want = b.view(b.shape[0], rank, experts)[:, :, e] @ a.view(experts, rank, inputs)[e]
-        got = torch.cat([parts[(e, leaf)][1] @ parts[(e, leaf)][0] for leaf in rule.leaves])
-        assert torch.equal(got, want)
+        a_e = a.view(experts, rank, inputs)[e]
+        b_e = b.view(b.shape[0], rank, experts)[:, :, e]
+        for k, leaf in enumerate(rule.leaves):
+            leaf_a, leaf_b = parts[(e, leaf)]
+            assert torch.equal(leaf_a, a_e) and torch.equal(leaf_b, b_e[k * rows : (k + 1) * rows])
+        got = torch.cat([parts[(e, leaf)][1].double() @ parts[(e, leaf)][0].double() for leaf in rule.leaves])
+        assert torch.allclose(got, b_e.double() @ a_e.double(), rtol=0, atol=1e-12)
 
 
 def test_fuse_of_distinct_leaf_factors_stacks_ranks_exactly() -> None:
