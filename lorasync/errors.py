@@ -37,7 +37,8 @@ Every message says what to do next.
     │   ├── AuthenticationError              401/403, or a client without its key here (unpickled)
     │   ├── LoraNotEnabledError              the engine was started without LoRA
     │   ├── CapabilityError                  the engine cannot do what was asked
-    │   │   └── RuntimeLoraDisabledError     runtime LoRA routes are switched off
+    │   │   ├── RuntimeLoraDisabledError     runtime LoRA routes are switched off
+    │   │   └── ReplicatedEngineError        the URL is several engines (a router): a load reaches one
     │   ├── AdapterRejectedError             the engine refused the adapter's content
     │   │   ├── RankTooLargeError            rank above the engine's max rank
     │   │   └── IncompatibleAdapterError     modules/features the engine cannot serve
@@ -102,6 +103,7 @@ __all__ = [
     "PublisherClosedError",
     "RankTooLargeError",
     "RegistryError",
+    "ReplicatedEngineError",
     "RuntimeLoraDisabledError",
     "ShapeMismatchError",
     "SlotLeakWarning",
@@ -312,6 +314,12 @@ class CapabilityError(EngineError):
 class RuntimeLoraDisabledError(CapabilityError):
     """The engine's runtime LoRA routes are switched off (vLLM: no
     ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`` in its environment)."""
+
+
+class ReplicatedEngineError(CapabilityError):
+    """The URL given as one engine is several (a router in front of servers): a load sent there
+    reaches one of them. The message names the engine kind that publishes to every one
+    (``vllm-router:URL``)."""
 
 
 class AdapterRejectedError(EngineError):

@@ -7,6 +7,7 @@ publisher, the fleet or anything above them (transports use the engine protocol,
 """
 
 from lorasync.engines._engine import Capabilities, Engine
+from lorasync.engines._group import EngineGroup
 from lorasync.engines._registry import (
     ENGINE_GROUP,
     available_engines,
@@ -20,6 +21,7 @@ __all__ = [
     "ENGINE_GROUP",
     "Capabilities",
     "Engine",
+    "EngineGroup",
     "available_engines",
     "connect",
     "engine_registry",

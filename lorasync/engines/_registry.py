@@ -20,6 +20,7 @@ from types import MappingProxyType
 from typing import Any
 
 from lorasync.engines._engine import Engine
+from lorasync.engines._group import EngineGroup
 from lorasync.errors import ConfigError, DuplicateRegistrationError, RegistryError, UnknownEngineError
 
 __all__ = [
@@ -176,6 +177,7 @@ BUILTIN_ENGINES = {
     "vllm": "lorasync.engines.vllm:VLLMEngine",
     "vllm-inprocess": "lorasync.engines.vllm.inprocess:VLLMInProcessEngine",
     "vllm-pull": "lorasync.engines.vllm.pull:VLLMPullEngine",
+    "vllm-router": "lorasync.engines.vllm.router:VLLMRouter",
     "sglang": "lorasync.engines.sglang:SGLangEngine",
     "peft": "lorasync.engines.peft:PeftEngine",
     "ray": "lorasync.engines.ray_actor:RayEngine",
@@ -197,8 +199,10 @@ def available_engines() -> list[str]:
     return sorted(engine_registry.available())
 
 
-def connect(kind: str, url: str = "", *, registry: Registry | None = None, **options: Any) -> Engine:
-    """A client for the engine kind ``kind`` at ``url``.
+def connect(kind: str, url: str = "", *, registry: Registry | None = None, **options: Any) -> Engine | EngineGroup:
+    """A client for the engine kind ``kind`` at ``url``: an :class:`Engine`, or for a kind that
+    names several engines behind one URL (``"vllm-router"``) an :class:`EngineGroup`, which every
+    publisher takes as the engines it lists.
 
     Args:
         kind (`str`): ``"vllm"``, ``"vllm-inprocess"``, ``"sglang"``, ``"peft"``, ``"ray"`` or a
@@ -208,7 +212,7 @@ def connect(kind: str, url: str = "", *, registry: Registry | None = None, **opt
         **options: passed to the client's constructor (``api_key``, ``timeout``, ``retries``...).
 
     Returns:
-        `Engine`: a client with sync methods and ``a``-prefixed async twins.
+        `Engine | EngineGroup`: a client with sync methods and ``a``-prefixed async twins, or a group.
 
     Raises:
         UnknownEngineError: no engine named ``kind``.
@@ -218,18 +222,18 @@ def connect(kind: str, url: str = "", *, registry: Registry | None = None, **opt
         >>> engine.load_adapter("policy@v3", "/dev/shm/lorasync/policy/v3")  # doctest: +SKIP
     """
     cls = (registry or engine_registry).get(kind)
-    if not (isinstance(cls, type) and issubclass(cls, Engine)):
-        raise ConfigError(f"engine {kind!r} resolves to {cls!r}, which is not a lorasync Engine subclass")
+    if not (isinstance(cls, type) and issubclass(cls, (Engine, EngineGroup))):
+        raise ConfigError(f"engine {kind!r} resolves to {cls!r}, which is not a lorasync Engine (or EngineGroup) subclass")
     return cls(url, **options) if url else cls(**options)
 
 
-def parse_engine_spec(spec: str | Engine, *, registry: Registry | None = None) -> Engine:
-    """``"vllm:http://127.0.0.1:8000"`` → connected client; an Engine passes through.
+def parse_engine_spec(spec: str | Engine | EngineGroup, *, registry: Registry | None = None) -> Engine | EngineGroup:
+    """``"vllm:http://127.0.0.1:8000"`` → connected client; an Engine (or EngineGroup) passes through.
 
     Raises:
         ConfigError: ``spec`` is neither an Engine nor a spec string.
     """
-    if isinstance(spec, Engine):
+    if isinstance(spec, (Engine, EngineGroup)):
         return spec
     if not isinstance(spec, str):
         raise ConfigError(f"an engine must be a lorasync Engine (lorasync.engines.connect(...)) or a spec like 'vllm:http://127.0.0.1:8000', got {type(spec).__name__}")
@@ -244,23 +248,46 @@ def engine_list(engines: object, *, what: str, made: list[Engine] | None = None)
     each checked before any is connected. ``made`` (optional) receives the clients built here
     from spec strings: the caller's own, to close with it.
 
+    An :class:`EngineGroup` (``"vllm-router:URL"``) stands for the engines it lists now, each
+    one of the list.
+
     Raises:
         ConfigError: not an engine, a spec or an iterable of them, or none at all.
+        EngineError: a group could not list its engines (its message says what to do).
     """
-    if isinstance(engines, (Engine, str)):
+    if isinstance(engines, (Engine, EngineGroup, str)):
         engines = [engines]
     if engines is None or isinstance(engines, (bytes, dict)) or not hasattr(engines, "__iter__"):
         raise ConfigError(f"{what} needs engines: an Engine, a spec like 'vllm:http://127.0.0.1:8000', or a list of them; got {type(engines).__name__}")
     listed = list(engines)  # type: ignore[call-overload]
     for spec in listed:
-        if not isinstance(spec, (Engine, str)):
+        if not isinstance(spec, (Engine, EngineGroup, str)):
             raise ConfigError(f"{what}: an engine must be a lorasync Engine (lorasync.engines.connect(...)) or a spec like 'vllm:http://127.0.0.1:8000', got {type(spec).__name__}")
     if not listed:
         raise ConfigError(f"{what} needs at least one engine")
-    out = []
-    for spec in listed:
-        engine = parse_engine_spec(spec)
-        if made is not None and isinstance(spec, str):
-            made.append(engine)
-        out.append(engine)
+    out: list[Engine] = []
+    mine: list[Engine] = []  # clients made here: closed again if a later one fails
+    try:
+        for spec in listed:
+            engine = parse_engine_spec(spec)
+            if isinstance(engine, EngineGroup):
+                # Several engines behind one URL: each is published to as an engine of its own
+                # (lorasync.engines._group). Their clients are made here: the caller's to close.
+                try:
+                    members = engine.members()
+                finally:
+                    if isinstance(spec, str):
+                        engine.close()
+                mine += members
+                out += members
+                continue
+            if isinstance(spec, str):
+                mine.append(engine)
+            out.append(engine)
+    except BaseException:
+        for engine in mine:
+            engine.close()
+        raise
+    if made is not None:
+        made.extend(mine)
     return out

@@ -35,6 +35,7 @@ from lorasync.publisher._retention import Ledger, check_timeout
 from lorasync.publisher._session import _engine_key, refuse_duplicates
 from lorasync.fleet._tenant import Tenant, republish, unload_drained, where
 from lorasync.engines._engine import Capabilities, Engine
+from lorasync.engines._group import EngineGroup
 from lorasync.engines._registry import parse_engine_spec
 from lorasync.errors import CapacityError, ConfigError, LoraSyncError
 
@@ -78,6 +79,13 @@ class FleetEngines:
         """Async twin of :meth:`add_engine`."""
         built = isinstance(engine, str)  # a connection the fleet made: closed again if refused
         engine = parse_engine_spec(engine)
+        if isinstance(engine, EngineGroup):
+            if built:
+                await engine.aclose()
+            raise ConfigError(
+                f"add_engine takes one engine; {engine.kind}:{engine.url} stands for several (each server behind it): "
+                "add them one by one (for e in group.members(): fleet.add_engine(e)), each with its own report"
+            )
         try:
             return await self._add(engine)
         except BaseException:

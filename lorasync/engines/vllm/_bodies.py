@@ -1,4 +1,5 @@
-"""Reading vLLM's successful answers: model lists, completions and the LoRA requests gauge.
+"""Reading vLLM's successful answers: model lists, completions, the LoRA requests gauge, and a
+router's worker list.
 
 Pure functions of response bodies (no I/O), shared by the HTTP client's operations.
 """
@@ -14,7 +15,7 @@ from lorasync.engines._http import body_json
 from lorasync.engines.vllm._errors import dig
 from lorasync.engines.vllm._protocol import LORA_GAUGE
 
-__all__ = ["Completion", "adapter_roots", "completion_of", "lora_in_use"]
+__all__ = ["Completion", "adapter_roots", "completion_of", "lora_in_use", "router_workers"]
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,15 @@ class Completion:
     text: str = ""
 
 
+
+
+def router_workers(response: httpx.Response) -> list[str] | None:
+    """The worker URLs in a router's ``/list_workers`` answer (vllm-router and the SGLang router:
+    ``{"urls": [...]}``); None when it is no such answer (a vLLM server's 404, another page)."""
+    urls = dig(body_json(response), "urls") if response.status_code == 200 else None
+    if isinstance(urls, list) and all(isinstance(u, str) for u in urls):
+        return list(urls)
+    return None
 
 
 def adapter_roots(response: httpx.Response) -> dict[str, str | None]:

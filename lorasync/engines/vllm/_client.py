@@ -44,7 +44,7 @@ from lorasync.engines._engine import Capabilities
 from lorasync.engines._hosts import is_same_host
 from lorasync.engines._http import Call, HTTPEngine, Operation, body_json, body_text
 from lorasync.engines.vllm import _releases
-from lorasync.engines.vllm._bodies import Completion, adapter_roots, completion_of, lora_in_use
+from lorasync.engines.vllm._bodies import Completion, adapter_roots, completion_of, lora_in_use, router_workers
 from lorasync.engines.vllm._lora_compat import rules_for
 from lorasync.engines.vllm.moe import check as check_moe
 from lorasync.engines.vllm._errors import dig, disabled, engine_dead, generic, load_error, message_of, route_missing, unexpected
@@ -54,6 +54,7 @@ from lorasync.engines.vllm._protocol import (
     CUDA_UPDATES,
     FUSED_MODULES,
     IPC_PREFIX,
+    LIST_WORKERS_ROUTE,
     LOAD_ROUTE,
     METRICS_ROUTE,
     RUNTIME_ENV,
@@ -76,6 +77,7 @@ from lorasync.errors import (
     ConfigError,
     EngineError,
     EngineProtocolError,
+    ReplicatedEngineError,
 )
 
 if TYPE_CHECKING:
@@ -378,6 +380,9 @@ class VLLMEngine(HTTPEngine):
         route = yield Call("GET", LOAD_ROUTE)
         if route.status_code >= 500 and engine_dead(message_of(route)):
             raise generic(self, route, LOAD_ROUTE, None, message_of(route), "the check of the runtime LoRA route")
+        # A router forwards the route check, /server_info and /version to one of its servers (seen
+        # with vllm-router 0.1.17), so only its own worker list tells it from one vLLM: asked always.
+        yield from self._refuse_router()
         if route.status_code not in (404, 405):
             raise unexpected(self, route, LOAD_ROUTE, None, EngineProtocolError, "the check of the runtime LoRA route")
         runtime_lora = route.status_code == 405
@@ -442,6 +447,21 @@ class VLLMEngine(HTTPEngine):
             version=str(version) if version else None,
             notes=tuple(notes),
         )
+
+    def _refuse_router(self) -> Operation[None]:
+        """Raise ReplicatedEngineError where this URL is a router (it lists workers): a load sent
+        there would reach one of them (lorasync.engines.vllm.router publishes to each)."""
+        response = yield Call("GET", LIST_WORKERS_ROUTE, retry=False)
+        workers = router_workers(response)
+        if workers is not None:
+            shown = ", ".join(workers[:4]) + (", ..." if len(workers) > 4 else "")
+            raise ReplicatedEngineError(
+                f"{self.kind} at {self.url} is a router in front of {len(workers)} server(s) ({shown}): a load sent there "
+                "reaches one of them, and requests routed to the others would answer 404 or an older version. Publish "
+                f"with 'vllm-router:{self.url}' (connect('vllm-router', url)): lorasync then loads and verifies the "
+                "version on every server behind it",
+                **self.error_context(LIST_WORKERS_ROUTE, None, response),
+            )
 
     def _in_use(self) -> Operation[frozenset[str] | None]:
         response = yield Call("GET", METRICS_ROUTE)

@@ -67,6 +67,8 @@ COMPLETIONS_ROUTE = "/v1/completions"
 SERVER_INFO_ROUTE = "/server_info"
 METRICS_ROUTE = "/metrics"
 RPC_ROUTE = "/collective_rpc"
+# A router's worker list (vllm-router, the SGLang router); vLLM itself has no such route.
+LIST_WORKERS_ROUTE = "/list_workers"
 # vLLM's Prometheus gauge of which adapters have requests (vllm/v1/metrics/loggers.py).
 LORA_GAUGE = "vllm:lora_requests_info"
 RUNTIME_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
