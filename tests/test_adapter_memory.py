@@ -117,3 +117,23 @@ def test_in_place_path_declines_lazily_negated_tensors():
     negated[key] = torch._neg_view(tensors[key])
     assert negated[key].is_neg() and negated[key].is_contiguous()
     assert _memory.host_views(negated) is None
+
+
+def test_lazy_zeros_and_negations_hash_and_save_as_their_values(tmp_path):
+    # torch's ZeroTensor has no memory (data_ptr 0): read in place it hashed garbage and save()
+    # failed with EFAULT as a "disk" error (found by the outside attack). Lazy zeros, negations and
+    # conjugations are read as the values they stand for, on every path.
+    from lorasync import Adapter
+    from lorasync.testing import tiny_llama_adapter
+
+    base = tiny_llama_adapter()
+    key = next(k for k in base.tensors if "lora_B" in k)
+    lazy = {"zeros": torch._efficientzerotensor(base.tensors[key].shape, dtype=base.tensors[key].dtype), "neg": torch._neg_view(base.tensors[key])}
+    real = {"zeros": torch.zeros_like(base.tensors[key]), "neg": -base.tensors[key]}
+    for kind in lazy:
+        assert _memory.host_views({key: lazy[kind]}) is None
+        with_lazy = Adapter({**base.tensors, key: lazy[kind]}, base.config)
+        with_real = Adapter({**base.tensors, key: real[kind]}, base.config)
+        assert with_lazy.content_hash == with_real.content_hash, kind
+        saved = Adapter.load(with_lazy.save(tmp_path / kind))
+        assert torch.equal(saved.tensors[key], real[kind]), kind

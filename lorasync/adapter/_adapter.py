@@ -557,6 +557,10 @@ def _canonical_config(config: AdapterConfig) -> str:
 def _cpu_contiguous(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor.detach().to("cpu").contiguous()``, skipping the three calls when they are no-ops
     (per-call overhead adds up over hundreds of tensors)."""
+    if tensor._is_zerotensor():  # torch's lazy zeros have no memory to read: the values are zeros
+        return torch.zeros(tensor.shape, dtype=tensor.dtype)
+    if tensor.is_neg() or tensor.is_conj():  # lazy negation/conjugation: memory holds other values
+        tensor = tensor.resolve_conj().resolve_neg()
     if tensor.requires_grad or tensor.device.type != "cpu" or not tensor.is_contiguous():
         return tensor.detach().to("cpu").contiguous()
     return tensor

@@ -55,6 +55,8 @@ def host_views(tensors: Mapping[str, torch.Tensor]) -> list[tuple[bytes, Any]] |
             return None
         if tensor.is_neg() or tensor.is_conj():  # lazy negation/conjugation: memory holds other values
             return None
+        if tensor._is_zerotensor() or (tensor.numel() and not tensor.data_ptr()):  # lazy zeros: no memory at all
+            return None
         if tensor.untyped_storage().nbytes() < (tensor.storage_offset() + tensor.numel()) * tensor.element_size():
             # Storage the trainer freed (FSDP resizes it to 0): no address to read in place; the
             # general path (and the publisher's refuse_freed) says what is wrong.

@@ -133,7 +133,7 @@ def _run(specs: list[str], base: str | None, steps: int, name: str, transport: s
     from lorasync import Probe, Publisher
     from lorasync.adapter._names import parse_served_name
     from lorasync.engines import connect
-    from lorasync.engines._registry import parse_engine_spec
+    from lorasync.engines._registry import engine_list
     from lorasync.exporters.fsdp import export
     from lorasync.testing import make_peft_model, make_tiny_model
 
@@ -142,7 +142,8 @@ def _run(specs: list[str], base: str | None, steps: int, name: str, transport: s
         make_tiny_model(base)
         say(f"built a tiny GQA Llama at {base}")
     # Engines first: an unknown kind or an unreachable server fails before any training.
-    clients = [connect("peft", base_model_path=base)] if not specs else [parse_engine_spec(s) for s in specs]
+    # A router spec stands for each server behind it (engine_list): the demo lists and publishes to each.
+    clients = [connect("peft", base_model_path=base)] if not specs else engine_list(specs, what="the demo")
     served = [parse_served_name(n) for c in clients for n in c.list_adapters()]
     start = max((v for parsed in served if parsed and parsed[0] == name for v in [parsed[1]]), default=0)
     if start:

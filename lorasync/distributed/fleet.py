@@ -43,6 +43,7 @@ from lorasync.distributed._fleet_report import DistributedFleetReport, decode_te
 from lorasync.distributed._roles import check_options, default_leader, default_node, leaders_group, resolve
 from lorasync.distributed._wire import decode_adapter, decode_error, encode_adapter, encode_error
 from lorasync.engines._engine import Engine
+from lorasync.engines._group import EngineGroup
 from lorasync.errors import ConfigError, ExportError, LoraSyncError, PublishError, TransportError
 
 __all__ = ["DistributedFleet"]
@@ -92,7 +93,7 @@ class DistributedFleet:
         self.group, self.src = group, src
         self.rank = int(dist.get_rank())
         self._device = collective_device(dist, group)
-        engines = [engines] if isinstance(engines, (Engine, str)) else list(engines)
+        engines = [engines] if isinstance(engines, (Engine, EngineGroup, str)) else list(engines)
         self.node_id = str(node_id) if node_id is not None else default_node(self.rank)
         self.local: Fleet | None = None  # this leader's node-local fleet
         self.tenants: list[str] = []  # registered, in order (the same on every rank)

@@ -44,6 +44,7 @@ from lorasync.distributed._report import DistributedPublishReport, NodeResult, d
 from lorasync.distributed._roles import check_options, default_leader, default_node, leaders_group, resolve, version_mismatch
 from lorasync.distributed._wire import decode_adapter, decode_error, encode_adapter, encode_error
 from lorasync.engines._engine import Engine
+from lorasync.engines._group import EngineGroup
 from lorasync.errors import ConfigError, LoraSyncError, PublishError, TransportError
 
 __all__ = ["LOCAL_TRANSPORTS", "DistributedPublisher"]
@@ -127,7 +128,7 @@ class DistributedPublisher:
         self.on_error = on_error
         self.rank = int(dist.get_rank())
         self._device = collective_device(dist, group)
-        if isinstance(engines, (Engine, str)):
+        if isinstance(engines, (Engine, EngineGroup, str)):
             engines = [engines]
         engines = list(engines)
         self.node_id = str(node_id) if node_id is not None else default_node(self.rank)

@@ -22,6 +22,7 @@ from lorasync.publisher._report import PublishReport
 from lorasync.publisher._retention import Retention
 from lorasync.publisher._session import aclose_all
 from lorasync.engines._engine import Engine
+from lorasync.engines._group import EngineGroup
 from lorasync.errors import ConfigError
 from lorasync.transports._base_weights import BaseWeights
 from lorasync.transports._store import default_root, new_run_id
@@ -82,6 +83,8 @@ def publish_adapter(
             return publisher.publish(adapter, version=version)
         finally:
             publisher._release()  # the caller's engine objects stay open
+            for made in publisher._made:  # the clients it made from specs (a router's workers too) do not
+                made.close()
 
 
 async def apublish_adapter(
@@ -98,7 +101,7 @@ async def apublish_adapter(
     base: BaseWeights | str | os.PathLike[str] | None = None,
 ) -> PublishReport:
     """Async twin of :func:`publish_adapter`. Engines given as specs are closed before it returns."""
-    specs = [engines] if isinstance(engines, (Engine, str)) else list(engines)
+    specs = [engines] if isinstance(engines, (Engine, EngineGroup, str)) else list(engines)
     retention = Retention(keep=keep, background=False)
     async with _aturn(root, name, run) as chosen:
         publisher = Publisher(specs, name=name, transport=transport, root=root, run=chosen, base=base, verify=verify, retention=retention)
@@ -106,8 +109,9 @@ async def apublish_adapter(
             return await publisher.apublish(adapter, version=version)
         finally:
             publisher._release()  # its loop thread never started: nothing here blocks
-            # Clients this call made from specs are its own; the caller's engine objects stay open.
-            await aclose_all(e for e, spec in zip(publisher.engines, specs) if isinstance(spec, str))
+            # Clients this call made from specs (a router spec: one per worker) are its own; the
+            # caller's engine objects stay open.
+            await aclose_all(publisher._made)
 
 
 class _Turn:

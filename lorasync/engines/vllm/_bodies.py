@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -15,7 +16,7 @@ from lorasync.engines._http import body_json
 from lorasync.engines.vllm._errors import dig
 from lorasync.engines.vllm._protocol import LORA_GAUGE
 
-__all__ = ["Completion", "adapter_roots", "completion_of", "lora_in_use", "router_workers"]
+__all__ = ["Completion", "adapter_roots", "completion_of", "lora_in_use", "router_workers", "shown_url"]
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,19 @@ def router_workers(response: httpx.Response) -> list[str] | None:
     if isinstance(urls, list) and all(isinstance(u, str) for u in urls):
         return list(urls)
     return None
+
+
+def shown_url(url: str) -> str:
+    """A worker URL as messages may show it: scheme, host, port and path, never its
+    ``user:password@`` or ``?query`` (where engine URLs carry secrets)."""
+    try:
+        parts = urlsplit(url)
+        host = parts.hostname or ""
+        port = f":{parts.port}" if parts.port else ""
+    except ValueError:
+        return "<a URL that does not parse>"
+    host = f"[{host}]" if ":" in host else host
+    return f"{parts.scheme}://{host}{port}{parts.path}" if parts.scheme and host else "<a URL without a host>"
 
 
 def adapter_roots(response: httpx.Response) -> dict[str, str | None]:

@@ -44,7 +44,7 @@ from lorasync.engines._engine import Capabilities
 from lorasync.engines._hosts import is_same_host
 from lorasync.engines._http import Call, HTTPEngine, Operation, body_json, body_text
 from lorasync.engines.vllm import _releases
-from lorasync.engines.vllm._bodies import Completion, adapter_roots, completion_of, lora_in_use, router_workers
+from lorasync.engines.vllm._bodies import Completion, adapter_roots, completion_of, lora_in_use, router_workers, shown_url
 from lorasync.engines.vllm._lora_compat import rules_for
 from lorasync.engines.vllm.moe import check as check_moe
 from lorasync.engines.vllm._errors import dig, disabled, engine_dead, generic, load_error, message_of, route_missing, unexpected
@@ -450,18 +450,29 @@ class VLLMEngine(HTTPEngine):
 
     def _refuse_router(self) -> Operation[None]:
         """Raise ReplicatedEngineError where this URL is a router (it lists workers): a load sent
-        there would reach one of them (lorasync.engines.vllm.router publishes to each)."""
-        response = yield Call("GET", LIST_WORKERS_ROUTE, retry=False)
+        there would reach one of them (lorasync.engines.vllm.router publishes to each). A route
+        that fails to answer says nothing: a proxy in front of one vLLM may not know it."""
+        try:
+            response = yield Call("GET", LIST_WORKERS_ROUTE, retry=False)
+        except EngineError:
+            return
         workers = router_workers(response)
         if workers is not None:
-            shown = ", ".join(workers[:4]) + (", ..." if len(workers) > 4 else "")
+            shown = ", ".join(shown_url(w) for w in workers[:4]) + (", ..." if len(workers) > 4 else "")
             raise ReplicatedEngineError(
                 f"{self.kind} at {self.url} is a router in front of {len(workers)} server(s) ({shown}): a load sent there "
-                "reaches one of them, and requests routed to the others would answer 404 or an older version. Publish "
-                f"with 'vllm-router:{self.url}' (connect('vllm-router', url)): lorasync then loads and verifies the "
-                "version on every server behind it",
+                "reaches one of them, and requests routed to the others would answer 404 or an older version. "
+                f"{self.router_remedy}",
                 **self.error_context(LIST_WORKERS_ROUTE, None, response),
             )
+
+    @property
+    def router_remedy(self) -> str:
+        """What to do instead of giving this client a router's URL (said by :meth:`_refuse_router`)."""
+        return (
+            f"Publish with 'vllm-router:{self.url}' (connect('vllm-router', url)): lorasync then loads and verifies the "
+            "version on every server behind it"
+        )
 
     def _in_use(self) -> Operation[frozenset[str] | None]:
         response = yield Call("GET", METRICS_ROUTE)

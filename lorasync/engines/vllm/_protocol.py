@@ -143,9 +143,12 @@ def read_stage_file(token: str) -> CudaStage | None:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_size > MAX_STAGE_BYTES:
             return None
-        chunks = []
-        while chunk := os.read(fd, MAX_STAGE_BYTES):
+        chunks, size = [], 0
+        while size <= MAX_STAGE_BYTES and (chunk := os.read(fd, MAX_STAGE_BYTES + 1 - size)):
             chunks.append(chunk)
+            size += len(chunk)
+        if size > MAX_STAGE_BYTES:  # grew while read: not a spec of ours
+            return None
         text = b"".join(chunks).decode()
     except (OSError, UnicodeDecodeError):
         return None

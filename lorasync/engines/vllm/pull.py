@@ -125,6 +125,13 @@ class VLLMPullEngine(VLLMEngine):
     async def acapabilities(self) -> Capabilities:
         return await to_thread(self.capabilities)
 
+    def _refuse_router(self) -> Operation[None]:
+        # Pull mode is made for many replicas behind one URL: each loads a version from the
+        # shared folder on its first request for it, and the newest ``keep`` directories stay
+        # whatever one replica lists. A router's URL is fine here (no load call to miss a worker).
+        return
+        yield  # an operation (a generator) that asks nothing
+
     def load_adapter(self, name: str, path: str | os.PathLike[str], *, load_inplace: bool = False) -> None:
         """Write the adapter at ``path`` to ``<pull_dir>/<name>`` atomically, then request it.
 

@@ -15,11 +15,10 @@ router picks.
 from __future__ import annotations
 
 from typing import Any
-from urllib.parse import urlsplit
-
 from lorasync.engines._group import EngineGroup
 from lorasync.engines._http import Call, Operation
-from lorasync.engines.vllm._bodies import router_workers
+from lorasync.engines._hosts import server_key
+from lorasync.engines.vllm._bodies import router_workers, shown_url
 from lorasync.engines.vllm._client import VLLMEngine
 from lorasync.engines.vllm._errors import generic
 from lorasync.engines.vllm._protocol import LIST_WORKERS_ROUTE
@@ -36,6 +35,10 @@ class VLLMRouter(EngineGroup):
         **options: the worker clients' options (:class:`VLLMEngine`: ``api_key``,
             ``api_key_env``, ``timeout``, ``retries``, ``max_rank``, ``max_loras``,
             ``same_host``); the router is asked with the same key and timeout.
+
+    Credentials inside the router's URL (``user:password@``, ``?key=``) are sent to the router
+    only; ``api_key=`` / ``api_key_env=`` go to the router and to every worker it lists, so give
+    them only for a router whose worker list you trust.
 
     Example:
         >>> pub = Publisher(["vllm-router:http://127.0.0.1:30000"], name="policy")  # doctest: +SKIP
@@ -81,11 +84,19 @@ class VLLMRouter(EngineGroup):
                 "before publishing, or every request would fail",
                 **context,
             )
+        # One client per server: a router may list one server under two spellings (127.0.0.1 and
+        # localhost/), which the publisher's duplicate check would refuse as given twice.
+        by_server: dict[object, str] = {}
         for u in urls:
-            parts = urlsplit(u)
-            if parts.scheme not in ("http", "https") or not parts.hostname:
-                raise EngineProtocolError(f"the router at {self.url} lists worker {u!r}, which is not an http(s) URL lorasync can publish to", **context)
-        return sorted(set(urls))
+            key = server_key(u)
+            if key is None:
+                raise EngineProtocolError(
+                    f"the router at {self.url} lists a worker that is not an http(s) URL with a host ({shown_url(u)}); "
+                    "lorasync can publish only to servers it reaches over HTTP",
+                    **context,
+                )
+            by_server.setdefault(key, u)
+        return sorted(by_server.values())
 
     def close(self) -> None:
         self._front.close()
