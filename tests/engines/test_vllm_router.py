@@ -107,6 +107,14 @@ def every_worker_serves(router: VLLMRouterProcess, workers: list[VLLMServer], mo
     raise AssertionError(f"the router never sent {model} requests to every worker: {[answered(w) - b for w, b in zip(workers, before)]}")
 
 
+def unload_everything(workers: list[VLLMServer]) -> None:
+    """Leave the shared workers as the next test expects them: serving no adapter."""
+    for worker in workers:
+        with connect("vllm", worker.url) as engine:
+            for name in engine.list_adapters():
+                engine.unload_adapter(name)
+
+
 def test_the_plain_client_refuses_a_router_url(router: VLLMRouterProcess) -> None:
     with connect("vllm", router.url) as engine, pytest.raises(ReplicatedEngineError, match="vllm-router:") as caught:
         engine.capabilities()
@@ -159,10 +167,7 @@ def test_every_worker_serves_each_version_through_the_router(router: VLLMRouterP
         every_worker_serves(router, workers, "routed@v1", {i: reference(models[1], list(p)) for i, p in enumerate(PROMPTS)})
     finally:
         pub.close()
-        for worker in workers:
-            with connect("vllm", worker.url) as engine:
-                for name in engine.list_adapters():
-                    engine.unload_adapter(name)
+        unload_everything(workers)
 
 
 def test_a_restarted_worker_gets_the_current_version_back(router: VLLMRouterProcess, workers: list[VLLMServer], tmp_path: Path) -> None:
@@ -181,7 +186,4 @@ def test_a_restarted_worker_gets_the_current_version_back(router: VLLMRouterProc
         every_worker_serves(router, workers, "restarts@v3", {i: reference(model, list(p)) for i, p in enumerate(PROMPTS)})
     finally:
         pub.close()
-        for worker in workers:
-            with connect("vllm", worker.url) as engine:
-                for name in engine.list_adapters():
-                    engine.unload_adapter(name)
+        unload_everything(workers)
