@@ -204,6 +204,12 @@ def _merged(h: Any, base_model: Any, base_dir: Path, engine: Any, tmp: Path, pro
     pub = Publisher([engine], name="merged", transport="merged", root=tmp, base=base_dir)
     try:
         for i in range(reps):
+            if i:  # a distinct adapter every repeat: an identical one is a no-op publish, not a sync
+                with torch.no_grad():
+                    for name, param in model.named_parameters():
+                        if "lora_B" in name:
+                            param.add_(1e-3)
+                adapter = export(model)
             start = time.perf_counter()
             report = pub.publish(adapter, version=i + 1).raise_for_errors()
             engine.generate(prompt, model=SERVED_BASE, max_tokens=1, logprobs=None)
