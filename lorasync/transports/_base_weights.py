@@ -66,6 +66,52 @@ class BaseWeights:
 
     @classmethod
     def from_tensors(cls, tensors: Mapping[str, torch.Tensor]) -> BaseWeights:
+        """Name → pristine tensor, as given (the fold reads them and never writes them)."""
+        return cls(tensors=tensors)
+
+    @classmethod
+    def from_model(cls, model: torch.nn.Module) -> BaseWeights:
+        """The pristine base weights of the trainer's own model (a PEFT ``PeftModel`` or the
+        model PEFT injected LoRA into), live: no copy, on the devices they live on.
+
+        A GPU trainer's frozen base is the cheapest W0 for the merged fallback: the fold reads it
+        on the GPU (nothing comes from disk or the host) and never writes it. Names are the base
+        checkpoint's (``base_model.model.`` and ``.base_layer`` dropped, ``modules_to_save``
+        copies skipped for their ``original_module``), LoRA factors left out.
+
+        Args:
+            model (`torch.nn.Module`): the model being trained; its base weights must stay frozen
+                (LoRA training) for as long as this object is used.
+
+        Returns:
+            `BaseWeights`: backed by the model's own tensors.
+
+        Raises:
+            ConfigError: a LoRA layer of ``model`` is merged into its base weight (they are not
+                pristine: unmerge first), or a weight is sharded (``DTensor``: pass the base
+                checkpoint's directory instead).
+        """
+        for module_name, module in model.named_modules():
+            if getattr(module, "merged_adapters", None):
+                raise ConfigError(
+                    f"{module_name or type(module).__name__} has LoRA merged into its base weight "
+                    f"({module.merged_adapters}); its weights are not the pristine base. Call unmerge_adapter() "
+                    "first, or pass the base checkpoint's directory"
+                )
+        tensors: dict[str, torch.Tensor] = {}
+        for name, tensor in model.state_dict().items():
+            parts = name.split(".")
+            if any(p.startswith("lora_") for p in parts) or "modules_to_save" in parts:
+                continue
+            if parts[:2] == ["base_model", "model"]:
+                parts = parts[2:]
+            parts = [p for p in parts if p not in ("base_layer", "original_module")]
+            if type(tensor).__name__ == "DTensor":
+                raise ConfigError(
+                    f"{name} is sharded (DTensor); BaseWeights.from_model needs whole weights. Pass the base "
+                    "checkpoint's directory (Publisher(base=path)) instead"
+                )
+            tensors[".".join(parts)] = tensor
         return cls(tensors=tensors)
 
     def __contains__(self, name: object) -> bool:

@@ -5,6 +5,8 @@ Protocol: one JSON object per line on stdin, one answer per line on stdout.
 
 * ``{"op": "stage_cuda" | "stage_shm", "arg": spec_json}`` → the method's answer plus
   ``hashes`` and ``devices`` of the staged tensors.
+* ``{"op": "stage_file", "token": token}`` → what the worker's load hook does first in the one-trip
+  path (stage from the client's stage file): ``staged`` and the ``hashes``, or the ``error``.
 * ``{"op": "import", "arg": spec_json}`` → ``import_tensors`` straight (kept under ``"held"``).
 * ``{"op": "hashes", "token": token}`` → hashes of what is staged (or held) now.
 * ``{"op": "release", "token": token}`` → ``lorasync_release_adapter``.
@@ -48,6 +50,13 @@ def main() -> None:
                     tensors = vllm_worker._STAGED[answer["token"]][0]
                     answer["hashes"] = digest(tensors)
                     answer["devices"] = sorted({t.device.type for t in tensors.values()})
+            elif op == "stage_file":
+                vllm_worker._stage_from_file(worker, msg["token"])
+                staged = vllm_worker._STAGED.get(msg["token"])
+                answer = {"staged": staged is not None, "token": msg["token"]}
+                if staged:
+                    answer["hashes"] = digest(staged[0])
+                    answer["devices"] = sorted({t.device.type for t in staged[0].values()})
             elif op == "import":
                 held, _ = import_tensors(json.loads(msg["arg"]))
                 answer = {"hashes": digest(held), "devices": sorted({t.device.type for t in held.values()})}

@@ -69,10 +69,11 @@ def test_worker_without_the_gpu_declines(cpu_consumer) -> None:
     assert answer["staged"] is False and "CUDA" in answer["reason"]
 
 
-def _engine_routed_to(consumer, calls: list[str], memory: list[int], staged: list[dict]) -> VLLMEngine:
+def _engine_routed_to(consumer, calls: list[str], staged: list[dict]) -> VLLMEngine:
     """A VLLMEngine whose /collective_rpc calls run in ``consumer`` (the worker side) and whose
-    load route accepts the IPC path; records the worker methods called and the producer's GPU
-    memory in use when the load request arrives."""
+    load route does what the worker's load hook does (stage from the client's stage file) before
+    answering as vLLM does; records the worker methods called ("load" for the load route) and
+    the staging answers."""
 
     def handler(request: httpx.Request) -> httpx.Response:
         body = json.loads(request.content or b"{}")
@@ -86,9 +87,15 @@ def _engine_routed_to(consumer, calls: list[str], memory: list[int], staged: lis
             if method == "lorasync_release_adapter":
                 return httpx.Response(200, json={"results": [consumer.ask(op="release", token=arg)["released"]]})
         if request.url.path == "/v1/load_lora_adapter":
-            torch.cuda.synchronize()
-            memory.append(torch.cuda.memory_allocated())
+            # The worker's load hook: stage from the client's stage file first (the one-trip
+            # path; a token staged by RPC is there already), then vLLM registers the name.
+            calls.append("load")
             assert body["lora_path"].startswith(IPC_PREFIX)
+            answer = consumer.ask(op="stage_file", token=body["lora_path"][len(IPC_PREFIX) :], errors_too=True)
+            if "error" in answer:  # vLLM answers a failed load with its message
+                return httpx.Response(400, json={"object": "error", "message": answer["error"], "type": "BadRequestError", "code": 400})
+            if answer["staged"] and answer["token"] not in {s.get("token") for s in staged}:
+                staged.append(answer)
             return httpx.Response(200, text=f"Success: LoRA adapter '{body['lora_name']}' added successfully.")  # vLLM's own answer
         return httpx.Response(404, json={"detail": "Not Found"})
 
@@ -102,21 +109,23 @@ def test_vllm_client_hands_gpu_adapters_over_cuda_ipc(consumer) -> None:
     torch.cuda.synchronize()
     baseline = torch.cuda.memory_allocated()
     calls: list[str] = []
-    memory: list[int] = []
     staged: list[dict] = []
-    _engine_routed_to(consumer, calls, memory, staged).load_adapter_tensors("p@v1", gpu)
-    assert calls == ["lorasync_stage_adapter_cuda"]
+    _engine_routed_to(consumer, calls, staged).load_adapter_tensors("p@v1", gpu)
+    assert calls == ["load"]  # one round trip: the worker staged from the stage file during the load
     assert staged[0]["hashes"] == digest(gpu.tensors)
-    assert memory[0] <= baseline  # the packed buffer (~1.6 MB) was freed once the worker confirmed
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() <= baseline  # the packed buffer (~1.6 MB) went once the worker had its copy
 
 
 def test_vllm_client_falls_back_to_shared_memory(cpu_consumer) -> None:
     gpu = adapter_on_gpu(layers=2, seed=14)
     calls: list[str] = []
     staged: list[dict] = []
-    _engine_routed_to(cpu_consumer, calls, [], staged).load_adapter_tensors("p@v1", gpu)
-    assert calls == ["lorasync_stage_adapter_cuda", "lorasync_release_adapter", "lorasync_stage_adapter"]
-    assert staged[0]["staged"] is False and staged[1]["hashes"] == digest(gpu.tensors)
+    _engine_routed_to(cpu_consumer, calls, staged).load_adapter_tensors("p@v1", gpu)
+    # The load's stage from the file is refused (this worker cannot map the GPU: NO_STAGE), the
+    # RPC stage is refused too, and shared memory carries the adapter; each refusal released.
+    assert calls == ["load", "lorasync_release_adapter", "lorasync_stage_adapter_cuda", "lorasync_release_adapter", "lorasync_stage_adapter", "load"]
+    assert staged[0]["staged"] is False and staged[-1]["hashes"] == digest(gpu.tensors) and staged[-1]["devices"] == ["cpu"]
 
 
 def _filled(value: float, n: int = 1 << 20) -> dict[str, torch.Tensor]:

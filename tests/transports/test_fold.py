@@ -59,3 +59,34 @@ def test_fold_never_accumulates():
     second = {k: v for b in fold_buckets(ad, weights, bucket_bytes=1 << 30) for k, v in b.items()}
     for k in first:
         assert torch.equal(first[k], second[k])
+
+
+def test_base_weights_from_the_trainers_model_are_the_checkpoint_live(tmp_path):
+    """BaseWeights.from_model: the checkpoint's names and values, the model's own tensors (no
+    copy), and a fold from them bit for bit the fold from the saved checkpoint."""
+    import pytest
+    from transformers import AutoModelForCausalLM
+
+    from lorasync.errors import ConfigError
+    from lorasync.exporters.fsdp import export
+    from lorasync.testing import make_peft_model, make_tiny_model
+
+    make_tiny_model(tmp_path / "base")
+    saved = BaseWeights.from_pretrained(tmp_path / "base")
+    with_copies = make_peft_model(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), seed=5, modules_to_save=["lm_head"])
+    assert set(BaseWeights.from_model(with_copies)._tensors) == set(saved._files)  # the original lm_head, not its trained copy
+    peft = make_peft_model(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), seed=5)
+    live = BaseWeights.from_model(peft)
+    assert set(live._tensors) == set(saved._files)  # every base weight under its checkpoint name, nothing else
+    for name in saved._files:
+        assert torch.equal(live.get(name), saved.get(name)), name
+    q = "model.layers.0.self_attn.q_proj"
+    assert live.get(f"{q}.weight").data_ptr() == peft.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight.data_ptr()
+    adapter = export(peft)
+    from_live = {k: v for b in fold_buckets(adapter, live, bucket_bytes=1 << 30) for k, v in b.items()}
+    from_dir = {k: v for b in fold_buckets(adapter, saved, bucket_bytes=1 << 30) for k, v in b.items()}
+    assert from_live.keys() == from_dir.keys() and all(torch.equal(from_live[k], from_dir[k]) for k in from_dir)
+    assert torch.equal(live.get(f"{q}.weight"), saved.get(f"{q}.weight"))  # the fold never wrote the live base
+    peft.merge_adapter()
+    with pytest.raises(ConfigError, match="unmerge"):
+        BaseWeights.from_model(peft)
