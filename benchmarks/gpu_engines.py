@@ -194,6 +194,18 @@ def _one_rank(h: Any, r: int, base_model: Any, engine: Any, raw: Any, tmp: Path,
     return {"adapter_bytes": adapter_bytes, "samples": samples, "median_total_s": med, "transports": {k: sorted(v) for k, v in transports.items()}}
 
 
+def _next_adapter(model: Any) -> Any:
+    """The trainer's next step, as far as the merged rows care: every ``lora_B`` moved a little,
+    then exported (a distinct adapter, so no publish is an unchanged no-op)."""
+    from lorasync.exporters.fsdp import export
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.add_(1e-3)
+    return export(model)
+
+
 def _merged(h: Any, base_model: Any, base_dir: Path, engine: Any, tmp: Path, prompt: list[int], reps: int) -> dict[str, Any]:
     """lorasync's merged fold vs pushing every parameter (TRL's per-step full sync), r16."""
     from lorasync import BaseWeights, Publisher
@@ -207,11 +219,7 @@ def _merged(h: Any, base_model: Any, base_dir: Path, engine: Any, tmp: Path, pro
     live = Publisher([engine], name="merged-live", transport="merged", root=tmp / "live", base=BaseWeights.from_model(model))
     try:
         for i in range(reps):
-            with torch.no_grad():
-                for name, param in model.named_parameters():
-                    if "lora_B" in name:
-                        param.add_(1e-3)
-            adapter = export(model)
+            adapter = _next_adapter(model)
             start = time.perf_counter()
             live.publish(adapter, version=i + 1).raise_for_errors()
             engine.generate(prompt, model=SERVED_BASE, max_tokens=1, logprobs=None)
@@ -222,12 +230,7 @@ def _merged(h: Any, base_model: Any, base_dir: Path, engine: Any, tmp: Path, pro
     pub = Publisher([engine], name="merged", transport="merged", root=tmp, base=base_dir)
     try:
         for i in range(reps):
-            if i:  # a distinct adapter every repeat: an identical one is a no-op publish, not a sync
-                with torch.no_grad():
-                    for name, param in model.named_parameters():
-                        if "lora_B" in name:
-                            param.add_(1e-3)
-                adapter = export(model)
+            adapter = _next_adapter(model)  # distinct every repeat: an identical one is a no-op publish, not a sync
             start = time.perf_counter()
             report = pub.publish(adapter, version=i + 1).raise_for_errors()
             engine.generate(prompt, model=SERVED_BASE, max_tokens=1, logprobs=None)
