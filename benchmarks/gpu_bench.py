@@ -530,7 +530,7 @@ def engines_main(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="lorasync-gpu-engines-") as tmp:
         for shape in args.shapes.split(","):
             t0 = time.perf_counter()
-            merged_reps = (1 if shape == "8b" else 2) if shape in args.merged_shapes.split(",") else 0
+            merged_reps = 3 if shape in args.merged_shapes.split(",") else 0
             save(gpu_engines.run_shape(shape, ranks, Path(tmp), repeats=args.repeats, warmup=args.warmup, merged_reps=merged_reps, log_dir=out, save=save))
             print(f"[engines {shape} done in {time.perf_counter() - t0:.0f} s]", flush=True)
             (out / "gpu_engines.md").write_text(gpu_engines.table(results))
