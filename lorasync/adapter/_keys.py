@@ -40,7 +40,7 @@ _SAVED_KEY = re.compile(
 _FACTORS = {"lora_A": ("A", False), "lora_B": ("B", False), "lora_embedding_A": ("A", True), "lora_embedding_B": ("B", True)}
 
 # Wrapper segments inserted by FSDP1, activation checkpointing and torch.compile.
-_WRAPPER_SEGMENTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
+WRAPPER_SEGMENTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
 
 
 def peft_key(module: str, side: Side, *, embedding: bool = False) -> str:
@@ -139,7 +139,7 @@ def normalize_trainer_key(name: str, adapter_name: str = "default") -> str | Non
     embedding's ``lora_embedding_A.<adapter_name>``, a ``ParameterDict`` entry). Keys of other
     adapters, base weights, ``modules_to_save`` copies and full embedding weights return None.
     """
-    parts = [p for p in name.split(".") if p not in _WRAPPER_SEGMENTS]
+    parts = [p for p in name.split(".") if p not in WRAPPER_SEGMENTS]
     while parts and parts[0] == "module":
         parts = parts[1:]
     if len(parts) < 2:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from lorasync.adapter._keys import WRAPPER_SEGMENTS
 from lorasync.errors import ConfigError, StorageError
 
 __all__ = ["BaseWeights"]
@@ -100,7 +101,11 @@ class BaseWeights:
                 )
         tensors: dict[str, torch.Tensor] = {}
         for name, tensor in model.state_dict().items():
-            parts = name.split(".")
+            # The wrappers the exporters see through (FSDP1, activation checkpointing,
+            # torch.compile, DDP's leading ``module.``) name no base weight either.
+            parts = [p for p in name.split(".") if p not in WRAPPER_SEGMENTS]
+            while parts and parts[0] == "module":
+                parts = parts[1:]
             if any(p.startswith("lora_") for p in parts) or "modules_to_save" in parts:
                 continue
             if parts[:2] == ["base_model", "model"]:

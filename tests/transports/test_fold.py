@@ -87,6 +87,8 @@ def test_base_weights_from_the_trainers_model_are_the_checkpoint_live(tmp_path):
     from_dir = {k: v for b in fold_buckets(adapter, saved, bucket_bytes=1 << 30) for k, v in b.items()}
     assert from_live.keys() == from_dir.keys() and all(torch.equal(from_live[k], from_dir[k]) for k in from_dir)
     assert torch.equal(live.get(f"{q}.weight"), saved.get(f"{q}.weight"))  # the fold never wrote the live base
+    compiled = BaseWeights.from_model(torch.nn.ModuleDict({"_orig_mod": peft}))  # torch.compile's wrapper name
+    assert set(compiled._tensors) == set(saved._files)
     peft.merge_adapter()
     with pytest.raises(ConfigError, match="unmerge"):
         BaseWeights.from_model(peft)
