@@ -411,6 +411,51 @@ def fold(results: dict, quick: bool) -> None:
     results["fold_gpu_w0_to_host_GBps"] = nbytes / t / 1e9  # merged weights delivered to host
 
 
+def publish_merged(results: dict, quick: bool) -> None:
+    """The merged fallback through ``Publisher.publish`` with W0 the trainer's own GPU tensors
+    (``BaseWeights.from_model`` hands these out), into an engine that takes the buckets where
+    they are (vLLM's worker copies them into its weights): lorasync's side of "merged 8B in
+    2 s", interleaved with the floor, ``fold_buckets`` alone over the same W0 and adapter."""
+    import tempfile
+
+    from benchmarks._engines import CountingEngine
+    from lorasync import BaseWeights, Publisher
+    from lorasync.transports._fold import fold_buckets
+
+    layers = 8 if quick else LAYERS
+    base = make_base(layers, "cuda")
+    results["publish_merged_layers"] = layers
+    results["publish_merged_weight_GB"] = sum(w.numel() * w.element_size() for w in base.values()) / 1e9
+    adapters = [make_adapter(layers, seed=10 + i) for i in range(8)]  # distinct: an equal one is a no-op publish
+    engine = CountingEngine()
+    times: dict[str, list[float]] = {"publish": [], "fold_buckets": []}
+    with tempfile.TemporaryDirectory() as root:
+        pub = Publisher([engine], name="merged", transport="merged", root=root, base=BaseWeights.from_tensors(base))
+        try:
+            for i, adapter in enumerate(adapters):
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                pub.publish(adapter, version=i + 1).raise_for_errors()
+                torch.cuda.synchronize()
+                times["publish"].append(time.perf_counter() - start)
+                start = time.perf_counter()
+                for _ in fold_buckets(adapter, BaseWeights.from_tensors(base), bucket_bytes=256 << 20, fused=FUSED):
+                    pass
+                torch.cuda.synchronize()
+                times["fold_buckets"].append(time.perf_counter() - start)
+        finally:
+            pub.restore_base()
+            pub.close()
+    warm = 2  # the first publishes compile the fold kernel and import PEFT
+    results["publish_merged_gpu_base_ms"] = med(times["publish"][warm:]) * 1e3
+    results["publish_merged_gpu_base_ms_all"] = [t * 1e3 for t in times["publish"]]
+    results["publish_merged_fold_buckets_ms"] = med(times["fold_buckets"][warm:]) * 1e3
+    results["publish_merged_vs_fold"] = results["publish_merged_gpu_base_ms"] / results["publish_merged_fold_buckets_ms"]
+    results["publish_merged_bytes_pushed"] = engine.counts.weights
+    del base, adapters
+    torch.cuda.empty_cache()
+
+
 # -- report --------------------------------------------------------------------------------------
 
 
@@ -443,6 +488,7 @@ def table(r: dict) -> str:
         ("fold, W0 pageable host -> GPU", f"{r['fold_host_pageable_w0_GBps']:.1f} GB/s of W0"),
         ("fold + buckets to host, W0 pinned", f"{r['fold_host_pinned_roundtrip_GBps']:.1f} GB/s (W0 in + W out)"),
         ("fold + buckets to host, W0 on GPU", f"{r['fold_gpu_w0_to_host_GBps']:.1f} GB/s of W"),
+        (f"Publisher.publish, merged, W0 the trainer's GPU tensors ({r['publish_merged_weight_GB']:.1f} GB)", f"{r['publish_merged_gpu_base_ms']:.1f} ms = {r['publish_merged_vs_fold']:.2f}x of fold_buckets alone ({r['publish_merged_fold_buckets_ms']:.1f} ms)"),
     ]
     width = max(len(a) for a, _ in rows)
     return "\n".join(f"{a:<{width}}  {b}" for a, b in rows)
@@ -481,6 +527,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=8, help="--engines: measured rounds per rank")
     parser.add_argument("--warmup", type=int, default=2, help="--engines: warm-up rounds per rank")
     parser.add_argument("--merged-shapes", default="0.6b,8b", help="--engines: shapes that also time merged full-weight sync")
+    parser.add_argument("--sections", default=None, help="only these sections, comma-separated (JSON printed, no table or plot)")
     args = parser.parse_args()
     if args.consumer:
         consumer_main()
@@ -495,11 +542,16 @@ def main() -> None:
     global PROFILE_DIR
     PROFILE_DIR = out if args.profile else None
     results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
-    for section in (ceilings, export, handoff, fold):
+    sections = {f.__name__: f for f in (ceilings, export, handoff, fold, publish_merged)}
+    chosen = list(sections) if args.sections is None else args.sections.split(",")
+    for name in chosen:
         t0 = time.perf_counter()
-        section(results, args.quick)
-        print(f"[{section.__name__} done in {time.perf_counter() - t0:.1f} s]", flush=True)
+        sections[name](results, args.quick)
+        print(f"[{name} done in {time.perf_counter() - t0:.1f} s]", flush=True)
         (out / "gpu_bench.json").write_text(json.dumps(results, indent=2))
+    if args.sections is not None:
+        print(json.dumps(results, indent=2))
+        return
     plot(results, out / "gpu_bench.png")
     print(table(results))
 

@@ -28,7 +28,8 @@ import time
 from lorasync.fleet._plan import FleetReport, SlotNeed, TenantReport, plan_slots
 from lorasync.publisher._handle import EngineHandle
 from lorasync.runtime._lifecycle import Lifecycle, async_entry, blocking
-from lorasync.runtime._loop import LoopLock, LoopThread, held
+from lorasync.runtime._loop import LoopThread
+from lorasync.runtime._looplock import LoopLock, held
 from lorasync.adapter._names import parse_served_name
 from lorasync.publisher._publisher import Publisher
 from lorasync.publisher._retention import Ledger, check_timeout

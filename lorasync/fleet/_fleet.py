@@ -32,7 +32,8 @@ from lorasync.fleet._engines import FleetEngines
 from lorasync.fleet._plan import FleetReport, SlotNeed, plan_slots
 from lorasync.fleet._round import Shared, check_round, publish_round, run_round
 from lorasync.runtime._lifecycle import Closing, Lifecycle, async_entry, blocking
-from lorasync.runtime._loop import LoopLock, LoopThread, held
+from lorasync.runtime._loop import LoopThread
+from lorasync.runtime._looplock import LoopLock, held
 from lorasync.adapter._names import parse_served_name, served_name, validate_name
 from lorasync.adapter._probe import Probe
 from lorasync.publisher._publisher import AdapterLike, Publisher

@@ -156,7 +156,7 @@ class LoraSyncCallback(TrainerCallback):
         _ALL.add(self._owned)
         # Not at exit: by then the executors its close needs are shut down, and the process's end
         # lets go of the loop thread, the connections and the run's lock anyway.
-        weakref.finalize(self, self._owned.close_quietly).atexit = False
+        weakref.finalize(self, self._owned.let_go).atexit = False
 
     @property
     def publisher(self) -> Publisher | None:
@@ -295,7 +295,8 @@ class LoraSyncCallback(TrainerCallback):
 
 class _Owned:
     """The Publisher a callback made, closed once by whichever comes first: train end, a
-    failed publish, ``close()``, or the callback's finalizer (garbage collection, exit)."""
+    failed publish or ``close()``; let go of without waiting by the callback's finalizer
+    (garbage collection)."""
 
     def __init__(self, *, given: Publisher | None) -> None:
         self.publisher = given
@@ -329,10 +330,24 @@ class _Owned:
         self.publisher = None
         publisher.close()
 
+    def let_go(self) -> None:
+        """The callback's finalizer: let go of the publisher it made without waiting for anything.
+        The collector runs finalizers in whatever thread allocates, holding whatever that thread
+        holds (a publisher's loop thread inside a store sweep, say); a ``close()`` there waits for
+        engine calls and locks that may never come. The publisher's own release runs instead
+        (``Publisher._let_go_now``): its run is free at once, its loop thread ends by itself and
+        closes the clients it made; versions it left loaded are found again by the next
+        publisher from the engine's listing."""
+        self.training_on = None
+        self._state = None
+        publisher, self.publisher = self.publisher, self._given
+        if publisher is not None and publisher is not self._given:
+            publisher._let_go_now()
+
     def close_quietly(self) -> None:
-        """:meth:`close` where no caller can take an error: a finalizer, or an event that is
-        already raising. A collection that happens on a loop the publisher needs hands the
-        close to a thread of its own, where it cannot deadlock."""
+        """:meth:`close` where no caller can take an error: an event that is already raising, or
+        a callback a failed ``train()`` left over. Called from async code that runs the
+        publisher, it hands the close to a thread of its own, where it cannot deadlock."""
         publisher = self.publisher
         try:
             self.close()

@@ -38,7 +38,7 @@ from lorasync.publisher._digest import PublishDigest, watch_optimizer_steps
 from lorasync.publisher._files import VersionFiles
 from lorasync.publisher._handle import EngineHandle
 from lorasync.runtime._lifecycle import async_entry, blocking
-from lorasync.runtime._loop import held
+from lorasync.runtime._looplock import held
 from lorasync.adapter._names import served_name, validate_name, validate_version
 from lorasync.adapter._probe import Probe
 from lorasync.publisher._report import EngineResult, PublishReport

@@ -31,7 +31,8 @@ from typing import Any
 
 from lorasync.publisher._aftercare import Aftercare
 from lorasync.runtime._lifecycle import Closing, Lifecycle, async_entry, blocking
-from lorasync.runtime._loop import LoopLock, LoopThread, held
+from lorasync.runtime._loop import LoopThread
+from lorasync.runtime._looplock import LoopLock, held
 from lorasync.adapter._names import parse_served_name, served_name, validate_version
 from lorasync.engines._engine import Engine
 from lorasync.engines._hosts import server_key
@@ -68,7 +69,13 @@ class PublisherLife(Closing):
         self._loop = LoopThread()
         self._life = Lifecycle(own_loops=self._own_loops, on_fork=self._forget_after_fork)
         # Only what the publisher owns, never the publisher itself (it would never be collected).
-        weakref.finalize(self, _let_go, self._loop, self.store, list(self._made), os.getpid()).atexit = False
+        self._finalizer = weakref.finalize(self, _let_go, self._loop, self.store, list(self._made), os.getpid())
+        self._finalizer.atexit = False
+
+    def _let_go_now(self) -> None:
+        """What collecting this publisher does (:func:`_let_go`), now: for a finalizer of its
+        owner (the TRL callback's), where ``close()`` could wait forever. Never waits."""
+        self._finalizer()
 
     def _sync_guard(self, call: str, twin: str) -> None:
         """The guard ``report.settled()`` passes (it may run after ``close``)."""
@@ -244,6 +251,7 @@ class PublisherLife(Closing):
             for engine in self.engines:
                 engine.close()
             self._life.closed()
+            self._finalizer.detach()
 
     async def aclose(self) -> None:
         """Async twin of :meth:`close`, for publishers driven with :meth:`apublish`."""
@@ -267,6 +275,7 @@ class PublisherLife(Closing):
             await asyncio.to_thread(self._loop.stop)
             self.store.close()
             self._life.closed()
+            self._finalizer.detach()
 
     async def _close_out(self) -> None:
         async with held(self._lock, closer=True):
@@ -283,6 +292,7 @@ class PublisherLife(Closing):
         self._lock.refuse(lambda: self._life.closed_error("a call waiting for the publisher"))
         self._shutdown()
         self._life.closed()
+        self._finalizer.detach()
 
     def _shutdown(self) -> None:
         # Async clients opened on the publisher's loop are closed on it before it stops.
@@ -306,14 +316,20 @@ class PublisherLife(Closing):
 
 
 def _let_go(loop: LoopThread, store: DiskStore, made: list[Engine], pid: int) -> None:
-    """A collected publisher's close (see the module docstring); idempotent after ``close``."""
+    """A collected publisher's close (see the module docstring). The collector runs it in whatever
+    thread allocates, holding whatever locks that thread holds (another publisher's loop thread in
+    the middle of a store sweep, say), so nothing here waits or takes a lock: the run is freed
+    without waiting (``DiskStore.close``) and the loop thread closes the clients as it ends."""
     if pid != os.getpid():
         return  # a forked child's copy: the loop thread, run and connections are the parent's
-    loop.stop()
     store.close()
-    for engine in made:
-        with contextlib.suppress(Exception):
-            engine.close()
+
+    def close_made() -> None:
+        for engine in made:
+            with contextlib.suppress(Exception):
+                engine.close()
+
+    loop.let_go(close_made)
 
 
 async def aclose_all(engines: Iterable[Engine]) -> None:

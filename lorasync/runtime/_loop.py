@@ -1,5 +1,6 @@
 """The publisher's event-loop machinery: its own loop in a daemon thread for sync callers
-(:class:`LoopThread`) and the lock its calls share across loops and threads (:class:`LoopLock`).
+(:class:`LoopThread`); the lock its calls share across loops and threads is
+:mod:`lorasync.runtime._looplock`'s.
 The background phase a publish leaves running is :mod:`lorasync.runtime._background`'s.
 
 Blocking engine and file calls run in daemon threads of lorasync's own (:func:`to_thread`,
@@ -11,34 +12,28 @@ call left undone is found again from the engine's own listing by the next publis
 ``Publisher.publish`` (sync) submits its coroutine to the loop thread, so engine clients keep
 their connections (and TLS setup) from step to step, whether or not the caller's thread already
 runs a loop (notebooks, async trainers); ``apublish`` runs on the caller's loop. Both take the
-same lock, so it cannot be an ``asyncio.Lock`` (bound to one loop); a ``threading.Lock`` taken
-through ``asyncio.to_thread`` parks one executor thread per waiter (enough waiters starve the
-holder's own engine calls) and cannot be handed a "closed" error, hence :class:`LoopLock`: a FIFO
-of futures on the waiters' own loops, written here because neither asyncio nor anyio has a lock
-shared by several event loops.
+same lock (:class:`~lorasync.runtime._looplock.LoopLock`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
 import contextlib
 import contextvars
 import functools
 import itertools
-import queue
 import os
+import queue
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 from lorasync.errors import PublisherClosedError
 
-__all__ = ["UNWIND_S", "DaemonPool", "LoopLock", "LoopThread", "held", "to_thread", "tracked_calls"]
+__all__ = ["UNWIND_S", "DaemonPool", "LoopThread", "to_thread", "tracked_calls"]
 
 T = TypeVar("T")
 
@@ -245,6 +240,31 @@ class LoopThread:
         """:meth:`run` for a coroutine on another loop: awaits instead of blocking."""
         return await asyncio.wrap_future(self.submit(coro))
 
+    def let_go(self, last: Callable[[], None]) -> None:
+        """:meth:`stop` for a finalizer: never waits and takes no lock. The collector runs
+        finalizers in whatever thread allocates, holding whatever that thread holds (even this
+        loop's own thread), so nothing here may block. ``last`` runs in the loop's thread as the
+        loop ends (here, if it never started or has stopped); exceptions from it are dropped."""
+        self._stopped = True  # nothing can submit any more: the owner is unreachable
+        loop, self._loop, self._thread = self._loop, None, None
+
+        def end() -> None:
+            try:
+                last()
+            except Exception:  # noqa: BLE001 - a finalizer has no one to tell
+                pass
+            finally:
+                if loop is not None:
+                    loop.stop()
+
+        if loop is None:
+            end()
+            return
+        try:
+            loop.call_soon_threadsafe(end)
+        except RuntimeError:  # the loop is closed already
+            end()
+
     def stop(self) -> None:
         """Stop taking work, cancel what is left on the loop, stop it and join its thread
         (idempotent). Callers still waiting in :meth:`run` get ``PublisherClosedError``."""
@@ -288,111 +308,3 @@ def _serve(loop: asyncio.AbstractEventLoop) -> None:
 
 
 os.register_at_fork(after_in_child=_SHARED.after_fork)
-
-
-# -- the lock -------------------------------------------------------------------------------------
-
-_WAITING, _GRANTED, _GONE = "waiting", "granted", "gone"
-
-
-@dataclass(eq=False)
-class _Waiter:
-    loop: asyncio.AbstractEventLoop
-    future: asyncio.Future[None]
-    state: str = _WAITING
-
-
-class LoopLock:
-    """A FIFO lock for coroutines on any event loop, in any thread (see the module docstring).
-
-    A waiter cancelled while waiting never leaves it held. :meth:`refuse` fails every waiter
-    with an error at once and refuses later acquisitions, except the closer's.
-    """
-
-    def __init__(self) -> None:
-        self._mutex = threading.Lock()
-        self._held = False
-        self._waiters: collections.deque[_Waiter] = collections.deque()
-        self._refusal: Callable[[], BaseException] | None = None
-
-    @property
-    def locked(self) -> bool:
-        return self._held
-
-    @contextlib.asynccontextmanager
-    async def hold(self, *, closer: bool = False) -> AsyncIterator[None]:
-        """Hold the lock for the ``async with`` block.
-
-        Raises:
-            whatever :meth:`refuse` was given, for everyone but the ``closer``.
-        """
-        await self._acquire(closer)
-        try:
-            yield
-        finally:
-            self._release()
-
-    async def _acquire(self, closer: bool) -> None:
-        loop = asyncio.get_running_loop()
-        with self._mutex:
-            if self._refusal is not None and not closer:
-                raise self._refusal()
-            if not self._held:
-                self._held = True
-                return
-            waiter = _Waiter(loop, loop.create_future())
-            self._waiters.append(waiter)
-        try:
-            await waiter.future
-        except BaseException:
-            with self._mutex:
-                granted = waiter.state == _GRANTED
-                if not granted:
-                    waiter.state = _GONE
-                    with contextlib.suppress(ValueError):
-                        self._waiters.remove(waiter)
-            if granted:  # handed over as it was cancelled: pass it on
-                self._release()
-            raise
-
-    def _release(self) -> None:
-        with self._mutex:
-            while self._waiters:
-                waiter = self._waiters.popleft()
-                if waiter.state != _WAITING:
-                    continue
-                waiter.state = _GRANTED
-                try:
-                    waiter.loop.call_soon_threadsafe(_resolve, waiter.future)
-                except RuntimeError:  # its loop is closed: it will never take it
-                    waiter.state = _GONE
-                    continue
-                return
-            self._held = False
-
-    def refuse(self, error: Callable[[], BaseException]) -> None:
-        """From now on every acquisition but the closer's raises ``error()``; waiters get it now."""
-        with self._mutex:
-            self._refusal = error
-            failing = [w for w in self._waiters if w.state == _WAITING]
-            for waiter in failing:
-                waiter.state = _GONE
-            self._waiters.clear()
-        for waiter in failing:
-            with contextlib.suppress(RuntimeError):
-                waiter.loop.call_soon_threadsafe(_fail, waiter.future, error())
-
-
-def _resolve(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
-
-
-def _fail(future: asyncio.Future[None], error: BaseException) -> None:
-    if not future.done():
-        future.set_exception(error)
-
-
-def held(lock: LoopLock, *, closer: bool = False) -> contextlib.AbstractAsyncContextManager[None]:
-    """``async with held(lock):`` — :meth:`LoopLock.hold`."""
-    return lock.hold(closer=closer)

@@ -16,7 +16,7 @@ runs or versions, never deleted.
 Ownership is a lock, not a PID: the live owner holds ``flock(LOCK_EX)`` on ``<run>/.owner.lock``
 from its first write until the process exits (the kernel drops it when the process dies, on any
 host that shares the filesystem's lock semantics, in any PID namespace). A forked child owns
-nothing: an ``os.register_at_fork`` hook closes its copies of the lock descriptors (a flock is
+nothing: an ``os.register_at_fork`` hook (:mod:`lorasync.transports._owned`) closes its copies of the lock descriptors (a flock is
 shared with every copy of the descriptor, so a data-loader worker would otherwise keep a dead
 trainer's run "alive"), and a store made before the fork refuses to write in the child. A run
 whose lock can be taken has no live owner: :meth:`DiskStore.sweep_orphans` removes its versions
@@ -35,7 +35,6 @@ import errno
 import os
 import secrets
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -48,33 +47,12 @@ from lorasync.transports._fsutil import errno_of, remove_tree_at, remove_version
 from lorasync.transports._layout import HOLDERS, META, OWNER_LOCK, begin_run, end_run_at, put_holders, read_version_file, runs_at, seal_version, sweep_dead_runs, take_run
 from lorasync.transports._layout import recorded_hash as _recorded_hash  # META, OWNER_LOCK: also here, for callers
 from lorasync.transports._layout import versions_in as _versions_in
+from lorasync.transports._owned import GUARD, LIVE, OWNED
 from lorasync.transports._trust import check_ancestors, folders, make_ancestors, root_path
 
 __all__ = ["DiskStore", "default_root", "new_run_id"]
 
 _SHM = Path("/dev/shm")
-# Run directories this process owns (their lock descriptors stay open until it exits) and the
-# ones a live (not closed) store of this process uses. A forked child starts with neither.
-_OWNED: dict[Path, int] = {}
-_LIVE: set[Path] = set()
-_GUARD = threading.Lock()
-
-
-def _forget_after_fork() -> None:
-    """In a forked child: close its copies of the lock descriptors (the parent keeps its locks:
-    a flock goes only with the last copy) and own nothing."""
-    global _GUARD
-    _GUARD = threading.Lock()  # another thread may have held it at the fork
-    for fd in _OWNED.values():
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-    _OWNED.clear()
-    _LIVE.clear()
-
-
-os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 def default_root() -> Path:
@@ -168,28 +146,28 @@ class DiskStore:
             return run_dir
         with self._name_dir(name, create=True) as name_fd:
             assert name_fd is not None
-            with _GUARD:
+            with GUARD:
                 if name in self._owner:  # another thread of this store took it meanwhile
                     return run_dir
-                if run_dir in _LIVE:
+                if run_dir in LIVE:
                     raise ConfigError(
                         f"run {self.run!r} of {name!r} under {self.root} is in use by another publisher of this process; "
                         "give each publisher its own run= (or leave run= unset for a fresh one)"
                     )
-                run_fd, lock = take_run(name_fd, self.run, run_dir, name, locked=run_dir in _OWNED)
+                run_fd, lock = take_run(name_fd, self.run, run_dir, name, locked=run_dir in OWNED)
                 if lock is not None:
-                    _OWNED[run_dir] = lock
-                _LIVE.add(run_dir)
+                    OWNED[run_dir] = lock
+                LIVE.add(run_dir)
                 self._owner[name] = run_dir
         begin_run(run_fd, self.run)
         return run_dir
 
     def close(self) -> None:
-        """Stop using this run (files stay; the process keeps the run's lock; idempotent)."""
-        with _GUARD:
-            for run_dir in self._owner.values():
-                _LIVE.discard(run_dir)
-            self._owner = {}
+        """Stop using this run (files stay; the process keeps the run's lock; idempotent).
+
+        Never waits (a collected publisher's finalizer calls it; see :class:`~lorasync.transports._owned.Guard`)."""
+        owned, self._owner = list(self._owner.values()), {}
+        GUARD.free(owned)
 
     def end_run(self, name: str) -> bool:
         """Give this run of ``name`` up for good (its folder, then its lock) once no version is left
@@ -197,12 +175,12 @@ class DiskStore:
         descriptors and the store flat. Raises ConfigError as :meth:`own`."""
         self._same_process()
         run_dir = self.run_dir(name)
-        with self._name_dir(name, create=False) as name_fd, _GUARD:
+        with self._name_dir(name, create=False) as name_fd, GUARD:
             if name_fd is not None and not end_run_at(name_fd, self.run):
                 return False
-            if (lock := _OWNED.pop(run_dir, None)) is not None:
+            if (lock := OWNED.pop(run_dir, None)) is not None:
                 os.close(lock)  # after the folder went: no sweep can take a run still in it
-            _LIVE.discard(run_dir)
+            LIVE.discard(run_dir)
             self._owner.pop(name, None)
         return True
 
@@ -232,9 +210,9 @@ class DiskStore:
         with self._name_dir(name, create=False) as name_fd:
             if name_fd is None:
                 return []
-            # _GUARD: against this process's stores taking a run right now; its own earlier runs
-            # (_OWNED) stay: their in-process engines may still serve them.
-            return sweep_dead_runs(name_fd, self.root / name, mine=self.run, guard=_GUARD, owned=_OWNED, keep=keep)
+            # GUARD: against this process's stores taking a run right now; its own earlier runs
+            # (OWNED) stay: their in-process engines may still serve them.
+            return sweep_dead_runs(name_fd, self.root / name, mine=self.run, guard=GUARD, owned=OWNED, keep=keep)
 
     # -- versions -----------------------------------------------------------------------------
 

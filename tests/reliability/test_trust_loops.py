@@ -173,6 +173,44 @@ def _threads(before: set[threading.Thread]) -> list[str]:
         time.sleep(0.05)
 
 
+def collect_holding_the_store_lock() -> None:
+    """``gc.collect()`` in a thread that holds the store's lock, as a publisher's loop thread in a
+    sweep does when an allocation there sets the collector off; fails if it does not return."""
+    from lorasync.transports._owned import GUARD
+
+    def run() -> None:
+        with GUARD:
+            gc.collect()
+
+    thread = threading.Thread(target=run, name="collector", daemon=True)
+    thread.start()
+    thread.join(20.0)
+    assert not thread.is_alive(), "a finalizer waited for the store lock its own thread holds"
+
+
+@pytest.mark.parametrize("closed", [False, True], ids=["dropped", "closed"])
+def test_a_publisher_collected_inside_a_store_sweep_lets_go_without_waiting(tmp_path, closed):
+    # CI of 2026-12-06 held one worker for 63 min: the collector ran a dropped publisher's
+    # finalizer in another publisher's loop thread in the middle of a store sweep, and its
+    # store.close() took the store's lock that thread already held (closed publishers too: their
+    # finalizer stayed armed). A finalizer now never waits, and a closed publisher's is disarmed.
+    gc.collect()
+    before = set(threading.enumerate())
+    pub = Publisher([MemoryEngine()], name="p", keep=1, root=tmp_path)
+    pub.publish(adapter(1), version=1).settled(timeout=BOUND_S)
+    run = pub.store.run
+    if closed:
+        pub.close()
+    cycle: list[Any] = [pub]
+    cycle.append(cycle)  # only the collector frees it, wherever it runs
+    del pub, cycle
+    collect_holding_the_store_lock()
+    assert _threads(before) == []
+    # Its run is free at once: a new publisher of this process takes it over.
+    with Publisher([MemoryEngine()], name="p", keep=1, root=tmp_path, run=run) as again:
+        assert again.publish(adapter(2), version=2).ok
+
+
 def test_publishers_dropped_without_close_give_back_their_threads_and_descriptors(tmp_path):
     # 090ffbd: five publishers dropped without close() left five lorasync-publisher threads (and
     # their event loops' descriptors) alive: nothing closed a collected publisher.
