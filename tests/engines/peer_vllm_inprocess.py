@@ -170,14 +170,17 @@ def test_adapters_in_use_sees_a_running_request(host: Any, engine: VLLMInProcess
     from vllm import SamplingParams
 
     engine.load_adapter("busy@v1", DATA["adapters"][0])
-    seen: list[frozenset[str] | None] = []
+    # What it reported, once each: the watcher below looks for as long as the request decodes,
+    # which on a busy box was long enough for a list of every look to fill the machine's 24 GB
+    # (CI of 2026-12-06: the peer OOM-killed).
+    seen: set[frozenset[str] | None] = set()
     params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
     request = engine.lora_request("busy@v1")
     if MODE == "async":
 
         async def long() -> None:
             async for _ in host.llm.generate({"prompt_token_ids": [5, 6, 7]}, params, request_id="busy-1", lora_request=request):
-                seen.append(engine.adapters_in_use())
+                seen.add(engine.adapters_in_use())
 
         host.run(long())
     else:
@@ -186,7 +189,8 @@ def test_adapters_in_use_sees_a_running_request(host: Any, engine: VLLMInProcess
 
         def watch() -> None:
             while not done.is_set():
-                seen.append(engine.adapters_in_use())
+                seen.add(engine.adapters_in_use())
+                time.sleep(0.0005)  # leave the decoding thread the interpreter
 
         watcher = threading.Thread(target=watch)
         watcher.start()
