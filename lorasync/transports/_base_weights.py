@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -32,6 +33,23 @@ class BaseWeights:
     def __init__(self, *, files: Mapping[str, Path] | None = None, tensors: Mapping[str, torch.Tensor] | None = None) -> None:
         self._files = dict(files or {})
         self._tensors = dict(tensors or {})
+        # from_model: the model's LoRA layers, weakly (the tensors are the model's own, live).
+        self._lora_layers: list[tuple[str, weakref.ref[torch.nn.Module]]] = []
+
+    def check_pristine(self) -> None:
+        """Whether the weights are still the pristine base, checked at every fold.
+
+        A base read by :meth:`from_model` is the model's own live tensors: LoRA merged into them
+        after that (TRL's vLLM weight sync merges and unmerges around generation) would make the
+        fold add the delta twice and the engine serve ``W0 + 2·s·B·A``, reported ok.
+
+        Raises:
+            ConfigError: a LoRA layer of that model is merged now.
+        """
+        for module_name, ref in self._lora_layers:
+            module = ref()
+            if module is not None and getattr(module, "merged_adapters", None):
+                raise _merged_error(module_name, module)
 
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike[str]) -> BaseWeights:
@@ -92,15 +110,17 @@ class BaseWeights:
                 pristine: unmerge first), or a weight is sharded (``DTensor``: pass the base
                 checkpoint's directory instead).
         """
-        for module_name, module in model.named_modules():
-            if getattr(module, "merged_adapters", None):
-                raise ConfigError(
-                    f"{module_name or type(module).__name__} has LoRA merged into its base weight "
-                    f"({module.merged_adapters}); its weights are not the pristine base. Call unmerge_adapter() "
-                    "first, or pass the base checkpoint's directory"
-                )
+        layers = [(module_name, module) for module_name, module in model.named_modules() if hasattr(module, "merged_adapters")]
+        for module_name, module in layers:
+            if module.merged_adapters:
+                raise _merged_error(module_name, module)
+        # PEFT's LoraModel (a PeftModel's .base_model) holds the model as .model: its names carry
+        # one "model." more than the checkpoint's.
+        inner = type(model).__name__ != "PeftModel" and any(c.__name__ == "BaseTuner" for c in type(model).__mro__)
         tensors: dict[str, torch.Tensor] = {}
         for name, tensor in model.state_dict().items():
+            if inner and name.startswith("model."):
+                name = "base_model.model." + name.removeprefix("model.")
             # The wrappers the exporters see through (FSDP1, activation checkpointing,
             # torch.compile, DDP's leading ``module.``) name no base weight either.
             parts = [p for p in name.split(".") if p not in WRAPPER_SEGMENTS]
@@ -116,8 +136,13 @@ class BaseWeights:
                     f"{name} is sharded (DTensor); BaseWeights.from_model needs whole weights. Pass the base "
                     "checkpoint's directory (Publisher(base=path)) instead"
                 )
-            tensors[".".join(parts)] = tensor
-        return cls(tensors=tensors)
+            key = ".".join(parts)
+            if key in tensors and tensors[key] is not tensor:
+                raise ConfigError(f"two weights of the model are named {key!r} once PEFT's and the wrappers' segments are dropped; pass the base checkpoint's directory")
+            tensors[key] = tensor
+        base = cls(tensors=tensors)
+        base._lora_layers = [(module_name, weakref.ref(module)) for module_name, module in layers]
+        return base
 
     def __contains__(self, name: object) -> bool:
         return name in self._tensors or name in self._files
@@ -160,3 +185,11 @@ class BaseWeights:
                 return f.get_tensor(name)
         except OSError as exc:
             raise StorageError(f"cannot read {name} from {file}: {exc}") from exc
+
+
+def _merged_error(module_name: str, module: torch.nn.Module) -> ConfigError:
+    return ConfigError(
+        f"{module_name or type(module).__name__} has LoRA merged into its base weight "
+        f"({module.merged_adapters}); its weights are not the pristine base. Call unmerge_adapter() "
+        "first, or pass the base checkpoint's directory"
+    )

@@ -128,6 +128,7 @@ def fold_buckets(
     W0 back. ``fused`` lists leaf groups an engine stores as one tensor (vLLM: q/k/v, gate/up):
     a touched member brings its whole group, never split across buckets, untouched members as W0.
     """
+    base.check_pristine()
     touched = set(adapter.modules) if adapter is not None else set()
     bucket: dict[str, torch.Tensor] = {}
     size = 0

@@ -89,6 +89,38 @@ def test_base_weights_from_the_trainers_model_are_the_checkpoint_live(tmp_path):
     assert torch.equal(live.get(f"{q}.weight"), saved.get(f"{q}.weight"))  # the fold never wrote the live base
     compiled = BaseWeights.from_model(torch.nn.ModuleDict({"_orig_mod": peft}))  # torch.compile's wrapper name
     assert set(compiled._tensors) == set(saved._files)
+    assert set(BaseWeights.from_model(peft.base_model)._tensors) == set(saved._files)  # PEFT's LoraModel, not the PeftModel
     peft.merge_adapter()
     with pytest.raises(ConfigError, match="unmerge"):
         BaseWeights.from_model(peft)
+    # Merged after the base was taken (TRL's vLLM sync merges around generation): the live base
+    # is W0 + s·B·A now, and a fold from it would serve the delta twice. Refused at the fold.
+    with pytest.raises(ConfigError, match="unmerge"):
+        next(fold_buckets(adapter, live, bucket_bytes=1 << 30))
+    peft.unmerge_adapter()
+    assert next(fold_buckets(adapter, live, bucket_bytes=1 << 30))
+
+
+def test_a_merged_publish_from_a_model_merged_meanwhile_fails_and_the_engine_keeps_its_weights(tmp_path):
+    """The user's path: Publisher(transport="merged", base=BaseWeights.from_model(model)), the
+    LoRA merged in between two publishes (outside attack, 2026-12-06: served W0 + 2·s·B·A, ok)."""
+    from transformers import AutoModelForCausalLM
+
+    from lorasync import Publisher
+    from lorasync.exporters.fsdp import export
+    from lorasync.testing import MemoryEngine, make_peft_model, make_tiny_model
+
+    make_tiny_model(tmp_path / "base")
+    peft = make_peft_model(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), seed=5)
+    engine = MemoryEngine()
+    with Publisher([engine], name="p", transport="merged", root=tmp_path / "store", base=BaseWeights.from_model(peft)) as pub:
+        assert pub.publish(export(peft), version=1).ok
+        served = {k: v.clone() for k, v in engine.weights.items()}
+        with torch.no_grad():
+            for name, param in peft.named_parameters():
+                if "lora_B" in name:
+                    param.add_(0.01)
+        peft.merge_adapter()
+        report = pub.publish(export(peft), version=2)
+        assert not report.ok and "unmerge" in str(report.results[0].error)
+        assert engine.weights.keys() == served.keys() and all(torch.equal(engine.weights[k], served[k]) for k in served)
