@@ -22,8 +22,11 @@ import torch
 # decodes for seconds: v1's requests are started, seen decoding (their first token streamed back),
 # and then v2 and v3 are published while they run. An earlier design waited on /metrics for a
 # batch of 480-token requests, and on a loaded CI box the batch ran out while /metrics answered.
-CONTEXT = 2048
-LONG = 1600  # tokens of each in-flight request
+CONTEXT = 4096
+# Tokens of each in-flight request: about 12-16 s of decoding for the four together on a 2-core
+# box. 1600 (about 8 s) was as long as v2's publish took there while the four streamed (the
+# test's process, the API server and the engine share the two cores), so v1 often ended first.
+LONG = 3200
 V1_REQUESTS = 4  # with --max-num-seqs 4 all decode at once, each streaming its tokens
 PROMPT = [5, 17, 99, 230, 41]
 
@@ -130,8 +133,13 @@ def run_vllm_inflight(model_dir: Path, python: Path, work: Path) -> dict[str, An
     def mark(what: str) -> None:
         timeline.append((round(time.monotonic() - t0, 2), what))
 
+    # Prefix caching off: every request here repeats PROMPT, and once the undisturbed run below
+    # had filled the cache with it, vLLM CPU 0.32 served the identical streamed requests two at a
+    # time (first tokens of the later two only when the first two ended), so v1's requests were
+    # never all decoding while v2 and v3 were published (measured: 4 at once without the cache).
     server = VLLMServer(model_dir, python=python, served_model_name="tiny-base", max_loras=1, max_cpu_loras=1,
-        extra_args=("--max-num-seqs", str(V1_REQUESTS), "--max-model-len", str(CONTEXT)), log_path=work / "vllm-inflight.log",
+        extra_args=("--max-num-seqs", str(V1_REQUESTS), "--max-model-len", str(CONTEXT), "--no-enable-prefix-caching"),
+        log_path=work / "vllm-inflight.log",
     )  # fmt: skip
     server.start()
     requests = lost = deaths = 0
