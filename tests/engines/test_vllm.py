@@ -389,9 +389,22 @@ def test_adapters_in_use_sees_a_decoding_request(
     for thread in threads:
         thread.start()
     try:
-        seen: list[frozenset[str] | None] = []
-        assert _poll(lambda: busy in (seen.append(engine.adapters_in_use()) or seen[-1] or ())), (seen[-5:], answers)
-        assert seen[-1] is not None and idle not in seen[-1]
+        seen: list[tuple[float, int, frozenset[str] | None]] = []
+        start = time.monotonic()
+
+        def busy_seen() -> bool:
+            seen.append((round(time.monotonic() - start, 2), len(answers), engine.adapters_in_use()))
+            return busy in (seen[-1][2] or ())
+
+        # 120 s, not 30: on a loaded 2-core CI box a /metrics answer can take seconds and the first
+        # request's prefill waits behind the other worker's engines. Should it still fail, the
+        # message tells a slow engine (no request answered yet) from a gauge that misses a
+        # decoding adapter (requests answered, the newest sample empty): the raw gauge lines too.
+        if not _poll(busy_seen, timeout=120.0):
+            gauge = [line for line in httpx.get(f"{vllm_server.url}/metrics", timeout=60).text.splitlines() if "lora_requests_info" in line]
+            pytest.fail(f"the gauge never named {busy!r}: (seconds, answers so far, names) {seen[:3]} ... {seen[-5:]}; errors {errors}; gauge now {gauge}")
+        seen_names = seen[-1][2]
+        assert seen_names is not None and idle not in seen_names
         during = asyncio.run(engine.aadapters_in_use())
         assert during is not None and idle not in during
     finally:
