@@ -49,3 +49,38 @@ def test_gpu_content_hash_moves_only_the_result_to_the_host() -> None:
         torch.cuda.synchronize()
     copies = [e for e in prof.events() if "DtoH" in e.name or "Device -> Pageable" in e.name or "Device -> Pinned" in e.name]
     assert len(copies) <= 1, [e.name for e in copies]
+
+
+def _torch_lanes(words: torch.Tensor, offset: int) -> list[int]:
+    """The torch form of one chunk's lane sums (device_hash.lanes without the fused kernel)."""
+    pos = torch.arange(offset + 1, offset + words.numel() + 1, dtype=torch.int64, device=words.device).mul_(device_hash._G)
+    out = []
+    for seed in device_hash._SEEDS:
+        z = words + pos
+        z.add_(seed)
+        z.bitwise_xor_(device_hash._lsr(z, 30)).mul_(device_hash._M1)
+        z.bitwise_xor_(device_hash._lsr(z, 27)).mul_(device_hash._M2)
+        z.bitwise_xor_(device_hash._lsr(z, 31))
+        out.append(int(z.sum()))
+    return out
+
+
+def test_fused_lanes_equal_the_torch_form_bit_for_bit() -> None:
+    from lorasync.wire import _device_hash_gpu
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for n in (1, 7, _device_hash_gpu.BLOCK - 1, _device_hash_gpu.BLOCK, _device_hash_gpu.BLOCK + 1, 3_000_017):
+        for offset in (0, 5, 2**40 + 3):
+            words = torch.randint(-(2**63), 2**63 - 1, (n,), dtype=torch.int64, device="cuda", generator=g)
+            words[0] = -1  # every bit set: the shifts must be logical
+            fused = _device_hash_gpu.lanes_fused(words, offset, device_hash._SEEDS)
+            assert fused is not None, "Triton ships with PyTorch's CUDA wheels: the fused pass must run here"
+            assert fused.tolist() == _torch_lanes(words, offset), (n, offset)
+
+
+def test_fused_and_torch_forms_give_one_content_hash_over_chunks() -> None:
+    a = _adapter("cuda", r=16, layers=24)
+    keys = sorted(a.tensors)
+    small = device_hash.lanes([a.tensors[k] for k in keys], chunk_bytes=1 << 16)  # many chunks, fused
+    host = device_hash.lanes([a.tensors[k].cpu() for k in keys], chunk_bytes=1 << 16)  # torch form on the host
+    assert small == host

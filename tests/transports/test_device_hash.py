@@ -4,6 +4,13 @@ Runs on the CPU here; tests/gpu checks the GPU gives the same lanes and keeps th
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -70,3 +77,33 @@ def test_an_adapter_matches_its_device_digest_and_not_after_a_change() -> None:
     with torch.no_grad():
         next(iter(t.values())).view(-1)[0] += 1.0
     assert not adapter.matches_hash(digest)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (the CPU test environment does not need it)")
+def test_fused_gpu_kernel_interpreted_equals_the_torch_form() -> None:
+    """The fused GPU lanes kernel (``wire/_device_hash_gpu``) checked where no GPU is: Triton's
+    interpreter runs it on host tensors, in a child process because the interpreter is chosen when
+    Triton is imported. ``tests/gpu/test_device_hash_gpu.py`` runs the compiled kernel."""
+    script = textwrap.dedent(
+        """
+        import torch
+        from lorasync.wire import _device_hash_gpu as fused, device_hash as d
+        for n in (1, 7, fused.BLOCK - 1, fused.BLOCK + 1, 50_001):
+            for offset in (0, 5, 2**40 + 3):
+                w = torch.randint(-(2**63), 2**63 - 1, (n,), dtype=torch.int64, generator=torch.Generator().manual_seed(n))
+                w[0] = -1
+                pos = torch.arange(offset + 1, offset + n + 1, dtype=torch.int64).mul_(d._G)
+                want = []
+                for seed in d._SEEDS:
+                    z = w + pos
+                    z.add_(seed)
+                    z.bitwise_xor_(d._lsr(z, 30)).mul_(d._M1)
+                    z.bitwise_xor_(d._lsr(z, 27)).mul_(d._M2)
+                    z.bitwise_xor_(d._lsr(z, 31))
+                    want.append(int(z.sum()))
+                assert fused._run(w, offset, d._SEEDS).tolist() == want, (n, offset)
+        print("same")
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip() == "same", done.stderr[-3000:]
