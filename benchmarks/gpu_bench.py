@@ -456,6 +456,39 @@ def publish_merged(results: dict, quick: bool) -> None:
     torch.cuda.empty_cache()
 
 
+def device_hash(results: dict, quick: bool) -> None:
+    """The content hash of the Qwen3-8B r16 adapter on its GPU, fp32 as PEFT keeps it (174.6 MB,
+    504 tensors): the fused Triton pass against the torch form (a dozen elementwise kernels per
+    lane), interleaved, each ending with the 16 bytes on the host; equal values checked."""
+    from lorasync.wire import device_hash as dh
+
+    adapter = make_adapter(8 if quick else LAYERS, dtype=torch.float32)
+    tensors = [adapter.tensors[k] for k in sorted(adapter.tensors)]
+    fused_fn = dh.lanes_fused
+
+    def torch_form() -> tuple[int, int]:
+        dh.lanes_fused = lambda *a, **k: None  # the torch form, as without Triton
+        try:
+            return dh.lanes(tensors)
+        finally:
+            dh.lanes_fused = fused_fn
+
+    assert dh.lanes(tensors) == torch_form(), "the fused pass and the torch form disagree"
+    times: dict[str, list[float]] = {"fused": [], "torch": []}
+    for _ in range(3):
+        dh.lanes(tensors), torch_form()
+    for _ in range(5 if quick else 20):
+        for name, fn in (("fused", lambda: dh.lanes(tensors)), ("torch", torch_form)):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    results["device_hash_bytes"] = adapter.nbytes
+    results["device_hash_fused_ms"] = med(times["fused"]) * 1e3
+    results["device_hash_torch_ms"] = med(times["torch"]) * 1e3
+    results["device_hash_content_hash_ms"] = med(wall(lambda: adapter.content_hash, repeat=10)) * 1e3  # with the header, as a publish takes it
+
+
 # -- report --------------------------------------------------------------------------------------
 
 
@@ -542,7 +575,7 @@ def main() -> None:
     global PROFILE_DIR
     PROFILE_DIR = out if args.profile else None
     results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
-    sections = {f.__name__: f for f in (ceilings, export, handoff, fold, publish_merged)}
+    sections = {f.__name__: f for f in (ceilings, export, handoff, fold, publish_merged, device_hash)}
     chosen = list(sections) if args.sections is None else args.sections.split(",")
     for name in chosen:
         t0 = time.perf_counter()
