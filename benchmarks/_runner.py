@@ -18,6 +18,7 @@ MODULES = {
     "fanout": "benchmarks.fanout",
     "fold": "benchmarks.fold_memory",
     "fleet": "benchmarks.fleet",
+    "replicas": "benchmarks.replicas",
     "regression": "benchmarks.regression",
 }
 

@@ -5,8 +5,10 @@ raw-write, PEFT-save and memcpy floors), ``vllm`` (trainer weights → first com
 vLLM: lorasync vs PEFT save_pretrained + load, the benchmark of record; ``--shape qwen3-0.6b``
 adds a Qwen3-0.6B-shaped model),
 ``fanout`` (1–8 engines), ``fold`` (merged-fold peak memory vs bucket size), ``fleet`` (a round
-of 1, 4, 16 tenants with one changed, against as many Publishers; ``--engines`` gives the tenants). Without NAME all
-run. Each prints a markdown table and writes ``NAME.json``, ``NAME.md`` and ``NAME.png`` under
+of 1, 4, 16 tenants with one changed, against as many Publishers; ``--engines`` gives the tenants),
+``replicas`` (publish → every replica serving for 1, 2, 4 real vLLM servers behind vllm-router,
+against a load per replica by hand; ``--engines`` gives the replica counts; run only when named).
+Without NAME all but ``replicas`` and ``regression`` run. Each prints a markdown table and writes ``NAME.json``, ``NAME.md`` and ``NAME.png`` under
 ``--out`` (the PNG only with matplotlib: ``pip install 'lorasync[bench]'``). The suite is the
 ``benchmarks`` package, shipped in the wheel and next to ``lorasync/`` in a checkout. The vLLM
 benchmark finds the engine venv through ``LORASYNC_VLLM_PYTHON`` or ``LORASYNC_ENGINE_CACHE``; when
@@ -29,9 +31,10 @@ from lorasync.errors import ConfigError
 
 __all__ = ["BENCHMARKS", "add_arguments", "register"]
 
-BENCHMARKS = ("bytes", "publish", "vllm", "fanout", "fold", "fleet", "regression")
-#: what a bare ``lorasync bench`` runs; ``regression`` compares with git history (a checkout only)
-DEFAULT = BENCHMARKS[:-1]
+BENCHMARKS = ("bytes", "publish", "vllm", "fanout", "fold", "fleet", "replicas", "regression")
+#: what a bare ``lorasync bench`` runs; ``replicas`` starts four vLLM servers (asked for by name),
+#: ``regression`` compares with git history (a checkout only)
+DEFAULT = tuple(b for b in BENCHMARKS if b not in ("replicas", "regression"))
 
 
 def register(sub: Any) -> None:

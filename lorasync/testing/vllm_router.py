@@ -74,6 +74,7 @@ class VLLMRouterProcess:
         self.policy = policy
         self.host = host
         self.port = port or free_port(host)
+        self.prometheus_port = free_port(host)
         self.health_check_interval = health_check_interval
         self.log_path = Path(log_path) if log_path is not None else None
         self.startup_timeout = startup_timeout
@@ -93,6 +94,10 @@ class VLLMRouterProcess:
             "--worker-urls", *self.workers,
             "--health-check-interval-secs", str(self.health_check_interval),
             "--worker-startup-check-interval", "1",
+            # Its metrics exporter binds a fixed port by default (29000): a second router on the
+            # host then panics at start ("Address already in use"). One free port of its own each.
+            "--prometheus-host", self.host,
+            "--prometheus-port", str(self.prometheus_port),
         ]  # fmt: skip
 
     def start(self) -> VLLMRouterProcess:

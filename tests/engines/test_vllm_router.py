@@ -121,6 +121,21 @@ def test_the_plain_client_refuses_a_router_url(router: VLLMRouterProcess) -> Non
     assert "2 server(s)" in str(caught.value)
 
 
+def test_a_second_router_on_the_host_starts_and_publishes(router: VLLMRouterProcess, workers: list[VLLMServer], tmp_path: Path) -> None:
+    # vllm-router's metrics exporter binds port 29000 unless told otherwise: a second router on
+    # one host (one per replica set, as the replicas benchmark runs them) panicked at start.
+    with VLLMRouterProcess([w.url for w in workers[:1]], log_path=tmp_path / "second-router.log") as second:
+        model = trained(seed=41)
+        pub = Publisher([f"vllm-router:{second.url}"], name="second-router", keep=1, root=tmp_path / "pub")
+        try:
+            report = pub.publish(export(model), version=1).raise_for_errors()
+            assert len(report.results) == 1, report.results  # the one worker it lists
+            assert through_router(second, report.served_name, list(PROMPTS[0])) == reference(model, list(PROMPTS[0]))
+        finally:
+            pub.close()
+            unload_everything(workers)
+
+
 def test_a_url_without_workers_is_not_a_router(workers: list[VLLMServer]) -> None:
     group = VLLMRouter(workers[0].url)
     with pytest.raises(CapabilityError, match="not a vllm-router"):
