@@ -15,9 +15,12 @@ then takes the torch form.
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any
 
 import torch
+
+from lorasync.errors import LoraSyncWarning
 
 __all__ = ["lanes_fused"]
 
@@ -38,10 +41,31 @@ def lanes_fused(words: torch.Tensor, offset: int, seeds: tuple[int, int]) -> tor
     Returns:
         `torch.Tensor | None`: ``[lane0, lane1]``, or ``None``.
     """
-    if words.device.type != "cuda":
+    if words.device.type != "cuda" or _BROKEN:
         return None
-    with torch.cuda.device(words.device):
-        return _run(words, offset, seeds)
+    try:
+        with _on_device(words.device):
+            return _run(words, offset, seeds)
+    except Exception as exc:  # noqa: BLE001 - any failure to build or launch: the torch form gives the same value
+        # Triton compiles its launcher with the host's C compiler and the kernel for this GPU on
+        # first use; where either fails (no compiler, an unsupported GPU) every hash still has to
+        # be taken, so this process keeps to the torch form and says so once.
+        _BROKEN.append(repr(exc))
+        warnings.warn(
+            f"lorasync: the fused GPU hash kernel could not run here ({exc!r:.300}); content hashes are taken with "
+            "torch's elementwise kernels instead (the same values, slower)",
+            LoraSyncWarning,
+            stacklevel=3,
+        )
+        return None
+
+
+#: Why the fused kernel failed in this process (empty while it works).
+_BROKEN: list[str] = []
+
+
+def _on_device(device: torch.device) -> Any:
+    return torch.cuda.device(device)
 
 
 def _run(words: torch.Tensor, offset: int, seeds: tuple[int, int]) -> torch.Tensor | None:

@@ -107,3 +107,36 @@ def test_fused_gpu_kernel_interpreted_equals_the_torch_form() -> None:
     )
     done = subprocess.run([sys.executable, "-c", script], env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and done.stdout.strip() == "same", done.stderr[-3000:]
+
+
+def test_a_fused_kernel_that_cannot_run_falls_back_to_the_same_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton present but unable to build or launch (no C compiler for its launcher, an
+    unsupported GPU): the hash is still taken, by the torch form, with one warning, and the
+    fused path is not tried again in this process."""
+    import contextlib
+
+    from lorasync.errors import LoraSyncWarning
+    from lorasync.wire import _device_hash_gpu
+
+    calls = []
+
+    def broken(*args: object) -> None:
+        calls.append(args)
+        raise RuntimeError("Failed to find C compiler. Please specify via CC environment variable.")
+
+    class OnCuda:  # a word buffer that says it lives on a GPU, as the dispatch reads it
+        def __init__(self, words: torch.Tensor) -> None:
+            self.words = words
+            self.device = torch.device("cuda", 0)
+
+    monkeypatch.setattr(_device_hash_gpu, "_run", broken)
+    monkeypatch.setattr(_device_hash_gpu, "_on_device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(_device_hash_gpu, "_BROKEN", [])
+    words = OnCuda(torch.arange(10, dtype=torch.int64))
+    with pytest.warns(LoraSyncWarning, match="fused GPU hash kernel could not run"):
+        assert _device_hash_gpu.lanes_fused(words, 0, device_hash._SEEDS) is None  # type: ignore[arg-type]
+    assert _device_hash_gpu.lanes_fused(words, 0, device_hash._SEEDS) is None  # type: ignore[arg-type]
+    assert len(calls) == 1  # not tried again
+    tensors = _tensors()
+    keys = sorted(tensors)
+    assert device_hash.lanes([tensors[k] for k in keys]) == device_hash.lanes([tensors[k].clone() for k in keys])
