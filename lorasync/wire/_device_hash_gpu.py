@@ -41,8 +41,8 @@ def lanes_fused(words: torch.Tensor, offset: int, seeds: tuple[int, int]) -> tor
     Returns:
         `torch.Tensor | None`: ``[lane0, lane1]``, or ``None``.
     """
-    if words.device.type != "cuda" or _BROKEN:
-        return None
+    if words.device.type != "cuda" or _BROKEN or words.dtype != torch.int64 or words.dim() != 1 or not words.is_contiguous():
+        return None  # the kernel reads one flat run of 64-bit words
     try:
         with _on_device(words.device):
             return _run(words, offset, seeds)
@@ -89,7 +89,9 @@ def _kernel() -> Any:
     except ImportError:
         return None
 
-    @triton.jit
+    # n and offset change with every chunk and adapter: not specialised on (divisible by 16, equal
+    # to 1), so one compiled kernel serves every publish instead of a compile in the middle of one.
+    @triton.jit(do_not_specialize=["n", "offset"])
     def lanes_kernel(words, partial, n, offset, seed0, seed1, BLOCK: tl.constexpr):
         idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
         mask = idx < n

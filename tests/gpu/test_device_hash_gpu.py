@@ -84,3 +84,12 @@ def test_fused_and_torch_forms_give_one_content_hash_over_chunks() -> None:
     small = device_hash.lanes([a.tensors[k] for k in keys], chunk_bytes=1 << 16)  # many chunks, fused
     host = device_hash.lanes([a.tensors[k].cpu() for k in keys], chunk_bytes=1 << 16)  # torch form on the host
     assert small == host
+
+
+def test_fused_lanes_decline_what_is_not_one_flat_run_of_words() -> None:
+    from lorasync.wire import _device_hash_gpu
+
+    words = torch.arange(64, dtype=torch.int64, device="cuda")
+    assert _device_hash_gpu.lanes_fused(words[::2], 0, device_hash._SEEDS) is None  # strided: the torch form takes it
+    assert _device_hash_gpu.lanes_fused(words.view(8, 8), 0, device_hash._SEEDS) is None
+    assert _device_hash_gpu.lanes_fused(words.to(torch.int32), 0, device_hash._SEEDS) is None

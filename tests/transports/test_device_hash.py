@@ -128,6 +128,13 @@ def test_a_fused_kernel_that_cannot_run_falls_back_to_the_same_value(monkeypatch
         def __init__(self, words: torch.Tensor) -> None:
             self.words = words
             self.device = torch.device("cuda", 0)
+            self.dtype = words.dtype
+
+        def dim(self) -> int:
+            return self.words.dim()
+
+        def is_contiguous(self) -> bool:
+            return self.words.is_contiguous()
 
     monkeypatch.setattr(_device_hash_gpu, "_run", broken)
     monkeypatch.setattr(_device_hash_gpu, "_on_device", lambda device: contextlib.nullcontext())
