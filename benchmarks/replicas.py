@@ -23,7 +23,6 @@ import os
 import shutil
 import statistics
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -60,30 +59,12 @@ def run(opts: Options) -> Report:
         torch.set_num_threads(before)
 
 
-def _start_all(servers: list[Any]) -> None:
-    errors: list[BaseException] = []
-
-    def start(server: Any) -> None:
-        try:
-            server.start()
-        except BaseException as exc:  # noqa: BLE001 - raised below, in this thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=start, args=(s,)) for s in servers]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-
-
 def _run(opts: Options, tmp: Path, python: Path, sizes: list[int], repeats: int, warmup: int, title: str) -> Report:
     from lorasync import Publisher
     from lorasync.exporters.fsdp import export
     from lorasync.testing import make_peft_model, make_tiny_model
     from lorasync.testing.vllm_router import VLLMRouterProcess
-    from lorasync.testing.vllm_server import VLLMServer, free_port
+    from lorasync.testing.vllm_server import VLLMServer, free_port, start_all
 
     show = opts.progress
     base_dir = tmp / "base"
@@ -105,7 +86,7 @@ def _run(opts: Options, tmp: Path, python: Path, sizes: list[int], repeats: int,
     sync: dict[str, list[float]] = {k: [] for k in samples}  # the sync call alone (publish / save + loads)
     exact: dict[str, list[bool]] = {k: [] for k in samples}
     try:
-        _start_all(servers)
+        start_all(servers)
         for n in sizes:
             routers[n] = VLLMRouterProcess([s.url for s in servers[:n]], log_path=tmp / f"router{n}.log").start()
             pubs[n] = Publisher([f"vllm-router:{routers[n].url}"], name=f"rep{n}", keep=2, root=tmp / f"pub{n}", transport="disk")

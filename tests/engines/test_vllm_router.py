@@ -28,7 +28,7 @@ from lorasync.errors import CapabilityError, ReplicatedEngineError
 from lorasync.exporters.fsdp import export
 from lorasync.testing import make_peft_model, make_tiny_model
 from lorasync.testing.vllm_router import VLLMRouterProcess
-from lorasync.testing.vllm_server import VLLMServer, free_port
+from lorasync.testing.vllm_server import VLLMServer, free_port, start_all
 
 pytestmark = pytest.mark.vllm
 
@@ -43,22 +43,8 @@ def workers(vllm_python: Path, tiny_model_dir: Path, tmp_path_factory: pytest.Te
         VLLMServer(tiny_model_dir, python=vllm_python, port=free_port(), served_model_name="tiny-base", extra_args=EXTENSION, log_path=logs / f"worker{i}.log")
         for i in range(2)
     ]
-    errors: list[BaseException] = []
-
-    def start(server: VLLMServer) -> None:
-        try:
-            server.start()
-        except BaseException as exc:  # noqa: BLE001 - raised below, in the test's thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=start, args=(s,)) for s in servers]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
     try:
-        if errors:
-            raise errors[0]
+        start_all(servers)
         yield servers
     finally:
         for server in servers:

@@ -51,20 +51,6 @@ def test_gpu_content_hash_moves_only_the_result_to_the_host() -> None:
     assert len(copies) <= 1, [e.name for e in copies]
 
 
-def _torch_lanes(words: torch.Tensor, offset: int) -> list[int]:
-    """The torch form of one chunk's lane sums (device_hash.lanes without the fused kernel)."""
-    pos = torch.arange(offset + 1, offset + words.numel() + 1, dtype=torch.int64, device=words.device).mul_(device_hash._G)
-    out = []
-    for seed in device_hash._SEEDS:
-        z = words + pos
-        z.add_(seed)
-        z.bitwise_xor_(device_hash._lsr(z, 30)).mul_(device_hash._M1)
-        z.bitwise_xor_(device_hash._lsr(z, 27)).mul_(device_hash._M2)
-        z.bitwise_xor_(device_hash._lsr(z, 31))
-        out.append(int(z.sum()))
-    return out
-
-
 def test_fused_lanes_equal_the_torch_form_bit_for_bit() -> None:
     from lorasync.wire import _device_hash_gpu
 
@@ -75,7 +61,7 @@ def test_fused_lanes_equal_the_torch_form_bit_for_bit() -> None:
             words[0] = -1  # every bit set: the shifts must be logical
             fused = _device_hash_gpu.lanes_fused(words, offset, device_hash._SEEDS)
             assert fused is not None, "Triton ships with PyTorch's CUDA wheels: the fused pass must run here"
-            assert fused.tolist() == _torch_lanes(words, offset), (n, offset)
+            assert fused.tolist() == device_hash.torch_lanes(words, offset).tolist(), (n, offset)
 
 
 def test_fused_and_torch_forms_give_one_content_hash_over_chunks() -> None:
