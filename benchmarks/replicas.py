@@ -50,6 +50,8 @@ def run(opts: Options) -> Report:
         return Report(NAME, title, skipped=venv.problem)
     sizes = sorted(set(opts.engines)) or list(SIZES)
     repeats, warmup = opts.reps(6, 2), opts.warm(1, 1)
+    if repeats < 1:
+        raise ValueError(f"bench replicas needs at least one measured round (--repeats {repeats})")
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -81,6 +83,8 @@ def _run(opts: Options, tmp: Path, python: Path, sizes: list[int], repeats: int,
     say(f"starting {len(servers)} vLLM CPU servers and {len(sizes)} routers", show=show)
     routers: dict[int, Any] = {}
     pubs: dict[int, Any] = {}
+    clients: list[httpx.Client] = []
+    pool = concurrent.futures.ThreadPoolExecutor(max(sizes))
     peer_names: dict[int, list[str]] = {n: [] for n in sizes}
     samples: dict[str, list[float]] = {f"{w}:{n}": [] for w in WAYS for n in sizes}
     sync: dict[str, list[float]] = {k: [] for k in samples}  # the sync call alone (publish / save + loads)
@@ -90,8 +94,7 @@ def _run(opts: Options, tmp: Path, python: Path, sizes: list[int], repeats: int,
         for n in sizes:
             routers[n] = VLLMRouterProcess([s.url for s in servers[:n]], log_path=tmp / f"router{n}.log").start()
             pubs[n] = Publisher([f"vllm-router:{routers[n].url}"], name=f"rep{n}", keep=2, root=tmp / f"pub{n}", transport="disk")
-        clients = [httpx.Client(base_url=s.url, timeout=120) for s in servers]
-        pool = concurrent.futures.ThreadPoolExecutor(max(sizes))
+        clients += [httpx.Client(base_url=s.url, timeout=120) for s in servers]
 
         def first_tokens(n: int, name: str) -> list[int]:
             body = {"model": name, "prompt": PROMPT, "max_tokens": 1, "temperature": 0.0, "return_token_ids": True}
@@ -146,10 +149,10 @@ def _run(opts: Options, tmp: Path, python: Path, sizes: list[int], repeats: int,
                     sync[f"{way}:{n}"].append(synced - start)
                     exact[f"{way}:{n}"].append(all(t == want for t in tokens))
             say(f"round {i + 1}/{warmup + repeats}", show=show)
+    finally:
         pool.shutdown()
         for c in clients:
             c.close()
-    finally:
         for pub in pubs.values():
             pub.close()
         for router in routers.values():

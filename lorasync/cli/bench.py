@@ -38,20 +38,20 @@ DEFAULT = tuple(b for b in BENCHMARKS if b not in ("replicas", "regression"))
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("bench", help="run the benchmark suite (bytes, publish, vllm, fanout, fold, fleet)", description=plain(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser("bench", help="run the benchmark suite (bytes, publish, vllm, fanout, fold, fleet; replicas and regression by name)", description=plain(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
     p.set_defaults(func=_main)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The bench options (shared by ``lorasync bench`` and ``python -m benchmarks``)."""
-    p.add_argument("names", nargs="*", metavar="NAME", help=f"benchmarks to run: {', '.join(BENCHMARKS)} (default: all but regression)")
+    p.add_argument("names", nargs="*", metavar="NAME", help=f"benchmarks to run: {', '.join(BENCHMARKS)} (default: all but replicas and regression)")
     p.add_argument("--quick", action="store_true", help="reduced sizes and repeats (all benchmarks in a few minutes)")
     p.add_argument("--out", type=Path, default=Path("bench-out"), metavar="DIR", help="where JSON, markdown and PNG files go (default ./bench-out)")
     p.add_argument("--shape", action="append", default=[], metavar="NAME_OR_CONFIG", help="model shape: a shipped name (qwen3-8b, llama-3.1-70b, ...), a config.json or a model directory (repeatable)")
     p.add_argument("--rank", action="append", default=[], type=_ints, metavar="R[,R...]", help="LoRA ranks (repeatable or comma-separated)")
     p.add_argument("--scope", metavar="SCOPE", help="'all-linear', 'attention' or leaf names like q_proj,v_proj")
-    p.add_argument("--engines", action="append", default=[], type=_ints, metavar="N[,N...]", help="fan-out sizes (default 1,2,4,8)")
+    p.add_argument("--engines", action="append", default=[], type=_ints, metavar="N[,N...]", help="fan-out sizes (default 1,2,4,8), fleet tenants, replicas' replica counts (default 1,2,4)")
     p.add_argument("--bucket-mb", action="append", default=[], type=_ints, metavar="MB[,MB...]", help="merged-fold bucket sizes in MB")
     p.add_argument("--layers", type=int, metavar="N", help="layers of synthetic base weights for the fold benchmark")
     p.add_argument("--repeats", type=int, metavar="N", help="timed repeats per measurement (median reported)")

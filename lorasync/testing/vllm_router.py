@@ -57,6 +57,8 @@ class VLLMRouterProcess:
             restarted worker gets traffic again after a few of them).
         log_path: where its output goes (default a temporary file).
         startup_timeout (`float`): seconds to wait until it lists every worker.
+        prometheus_port (`int`, *optional*): where its metrics exporter listens; default a free
+            port picked at each start (the router's own default, 29000, lets one router per host).
     """
 
     def __init__(
@@ -69,12 +71,14 @@ class VLLMRouterProcess:
         health_check_interval: int = 1,
         log_path: str | os.PathLike[str] | None = None,
         startup_timeout: float = 120.0,
+        prometheus_port: int | None = None,
     ) -> None:
         self.workers = [str(w).rstrip("/") for w in workers]
         self.policy = policy
         self.host = host
         self.port = port or free_port(host)
-        self.prometheus_port = free_port(host)
+        self._given_prometheus_port = prometheus_port
+        self.prometheus_port = prometheus_port
         self.health_check_interval = health_check_interval
         self.log_path = Path(log_path) if log_path is not None else None
         self.startup_timeout = startup_timeout
@@ -97,7 +101,7 @@ class VLLMRouterProcess:
             # Its metrics exporter binds a fixed port by default (29000): a second router on the
             # host then panics at start ("Address already in use"). One free port of its own each.
             "--prometheus-host", self.host,
-            "--prometheus-port", str(self.prometheus_port),
+            "--prometheus-port", str(self.prometheus_port or free_port(self.host)),
         ]  # fmt: skip
 
     def start(self) -> VLLMRouterProcess:
@@ -112,6 +116,7 @@ class VLLMRouterProcess:
             fd, name = tempfile.mkstemp(prefix=f"vllm-router-{self.port}-", suffix=".log")
             os.close(fd)
             self.log_path = Path(name)
+        self.prometheus_port = self._given_prometheus_port or free_port(self.host)  # picked now, not at construction
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         self._proc = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         deadline = time.monotonic() + self.startup_timeout

@@ -325,11 +325,12 @@ _PORT_TAKEN = "Address already in use"  # what vLLM logs when it cannot bind its
 
 
 def start_all(servers: Sequence[VLLMServer]) -> None:
-    """Start ``servers`` side by side (each start is mostly vLLM importing and loading: a minute on
-    a small CPU box), returning once all listen.
+    """Start ``servers`` side by side, returning once all listen. Should one fail, or Ctrl-C come,
+    every start is waited for and every server stopped before raising: a start still under way
+    would otherwise come up after the caller's cleanup, in a session of its own, and outlive it.
 
     Raises:
-        The first server's start error (the others are left as they came up; stop them).
+        The first server's start error, or the interruption.
     """
     import threading
 
@@ -341,13 +342,20 @@ def start_all(servers: Sequence[VLLMServer]) -> None:
         except BaseException as exc:  # noqa: BLE001 - raised below, in the caller's thread
             errors.append(exc)
 
-    threads = [threading.Thread(target=start, args=(s,)) for s in servers]
+    threads = [threading.Thread(target=start, args=(s,), daemon=True) for s in servers]
     for t in threads:
         t.start()
+    interrupted: BaseException | None = None
     for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+        while t.is_alive():
+            try:
+                t.join()
+            except BaseException as exc:  # noqa: BLE001 - Ctrl-C: finish waiting, then clean up and re-raise
+                interrupted = interrupted or exc
+    if interrupted is not None or errors:
+        for server in servers:
+            server.stop()
+        raise interrupted or errors[0]
 
 
 def _signal_group(pgid: int, sig: int) -> None:

@@ -15,6 +15,7 @@ then takes the torch form.
 from __future__ import annotations
 
 import functools
+import threading
 import warnings
 from typing import Any
 
@@ -46,20 +47,34 @@ def lanes_fused(words: torch.Tensor, offset: int, seeds: tuple[int, int]) -> tor
     try:
         with _on_device(words.device):
             return _run(words, offset, seeds)
-    except Exception as exc:  # noqa: BLE001 - any failure to build or launch: the torch form gives the same value
+    except Exception as exc:
+        if _device_fault(exc):
+            raise  # out of memory, a CUDA fault: the torch form would meet it too; never hidden
         # Triton compiles its launcher with the host's C compiler and the kernel for this GPU on
         # first use; where either fails (no compiler, an unsupported GPU) every hash still has to
         # be taken, so this process keeps to the torch form and says so once.
-        _BROKEN.append(repr(exc))
-        warnings.warn(
-            f"lorasync: the fused GPU hash kernel could not run here ({exc!r:.300}); content hashes are taken with "
-            "torch's elementwise kernels instead (the same values, slower)",
-            LoraSyncWarning,
-            stacklevel=3,
-        )
+        with _LOCK:
+            first = not _BROKEN
+            _BROKEN.append(repr(exc))
+        if first:
+            warnings.warn(
+                f"lorasync: the fused GPU hash kernel could not run here ({exc!r:.300}); content hashes are taken with "
+                "torch's elementwise kernels instead (the same values, slower)",
+                LoraSyncWarning,
+                stacklevel=3,
+            )
         return None
 
 
+def _device_fault(exc: BaseException) -> bool:
+    """An error of the device itself rather than of building or launching the kernel."""
+    if isinstance(exc, torch.OutOfMemoryError) or type(exc).__name__ == "AcceleratorError":
+        return True
+    text = str(exc)
+    return "CUDA error" in text or "CUDA out of memory" in text or "cudaError" in text
+
+
+_LOCK = threading.Lock()
 #: Why the fused kernel failed in this process (empty while it works).
 _BROKEN: list[str] = []
 

@@ -206,3 +206,29 @@ def test_refused_url_holds_ipv6_ports_too() -> None:
             httpx.get(url, timeout=2)
     finally:
         context.__exit__(None, None, None)
+
+
+def test_start_all_stops_every_server_when_one_fails() -> None:
+    """A failed start among several (start_all): every start is waited for, then every server is
+    stopped, so none comes up after the caller's cleanup and outlives it."""
+    from lorasync.testing.vllm_server import start_all
+
+    class Fake:
+        def __init__(self, fail: bool, delay: float) -> None:
+            self.fail, self.delay, self.running, self.stops = fail, delay, False, 0
+
+        def start(self) -> None:
+            time.sleep(self.delay)
+            if self.fail:
+                raise RuntimeError("vLLM exited during startup")
+            self.running = True
+
+        def stop(self) -> None:
+            self.stops += 1
+            self.running = False
+
+    servers = [Fake(fail=True, delay=0.0), Fake(fail=False, delay=0.3), Fake(fail=False, delay=0.1)]
+    with pytest.raises(RuntimeError, match="exited during startup"):
+        start_all(servers)  # type: ignore[arg-type]
+    assert [s.running for s in servers] == [False, False, False]
+    assert all(s.stops == 1 for s in servers)

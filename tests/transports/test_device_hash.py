@@ -136,6 +136,35 @@ def test_a_fused_kernel_that_cannot_run_falls_back_to_the_same_value(monkeypatch
         assert _device_hash_gpu.lanes_fused(words, 0, device_hash._SEEDS) is None  # type: ignore[arg-type]
     assert _device_hash_gpu.lanes_fused(words, 0, device_hash._SEEDS) is None  # type: ignore[arg-type]
     assert len(calls) == 1  # not tried again
-    tensors = _tensors()
-    keys = sorted(tensors)
-    assert device_hash.lanes([tensors[k] for k in keys]) == device_hash.lanes([tensors[k].clone() for k in keys])
+
+
+@pytest.mark.parametrize(
+    "fault",
+    [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 MiB"), RuntimeError("CUDA error: an illegal memory access was encountered")],
+)
+def test_a_device_fault_in_the_fused_kernel_is_raised_not_hidden(monkeypatch: pytest.MonkeyPatch, fault: Exception) -> None:
+    """Out of memory or a CUDA fault is the device's trouble, not the kernel's build: raised, and
+    the fused path stays on for the next hash."""
+    import contextlib
+
+    from lorasync.wire import _device_hash_gpu
+
+    def faulty(*args: object) -> None:
+        raise fault
+
+    class OnCuda:
+        def __init__(self, words: torch.Tensor) -> None:
+            self.device, self.dtype, self.words = torch.device("cuda", 0), words.dtype, words
+
+        def dim(self) -> int:
+            return 1
+
+        def is_contiguous(self) -> bool:
+            return True
+
+    monkeypatch.setattr(_device_hash_gpu, "_run", faulty)
+    monkeypatch.setattr(_device_hash_gpu, "_on_device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(_device_hash_gpu, "_BROKEN", [])
+    with pytest.raises(type(fault)):
+        _device_hash_gpu.lanes_fused(OnCuda(torch.arange(4)), 0, device_hash._SEEDS)  # type: ignore[arg-type]
+    assert _device_hash_gpu._BROKEN == []
