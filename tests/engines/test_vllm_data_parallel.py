@@ -11,6 +11,7 @@ exact against PEFT's greedy tokens.
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,12 +35,18 @@ EXTENSION = ("--worker-extension-cls", "lorasync.engines.vllm_worker.LoraSyncWor
 @pytest.fixture(scope="module")
 def dp_server(vllm_python: Path, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
     log = tmp_path_factory.mktemp("vllm-dp-logs") / "vllm-dp.log"
+    # vLLM CPU splits VLLM_CPU_OMP_THREADS_BIND per data-parallel rank at "|": the one core an xdist
+    # worker's engines get (tests/conftest.py) left the second rank an empty list, and its engine
+    # core died at start ("Given number of CPU id list [] doesn't match local world size 1").
+    bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    env = {"VLLM_CPU_OMP_THREADS_BIND": f"{bind}|{bind}"} if bind and "|" not in bind and bind != "auto" else None
     with VLLMServer(
         tiny_model_dir,
         python=vllm_python,
         served_model_name="tiny-base",
         log_path=log,
         extra_args=(*EXTENSION, "--data-parallel-size", "2", "--api-server-count", "1"),
+        env=env,
     ) as server:
         yield server
 
