@@ -34,7 +34,7 @@ import torch
 
 from lorasync.wire._device_hash_gpu import lanes_fused
 
-__all__ = ["PREFIX", "lanes", "tensors_digest"]
+__all__ = ["PREFIX", "lanes", "tensors_digest", "torch_lanes"]
 
 PREFIX = "dev128:"
 

@@ -18,13 +18,14 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 
 from lorasync import Publisher
 from lorasync.engines import connect
 from lorasync.exporters.fsdp import export
 from lorasync.testing import make_peft_model, make_tiny_model
 from lorasync.testing.vllm_server import VLLMServer
+
+from tests.support.greedy import peft_greedy as reference
 
 pytestmark = pytest.mark.vllm
 
@@ -49,12 +50,6 @@ def dp_server(vllm_python: Path, tiny_model_dir: Path, tmp_path_factory: pytest.
         env=env,
     ) as server:
         yield server
-
-
-def reference(model: torch.nn.Module, prompt: list[int], n: int = 6) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long), max_new_tokens=n, do_sample=False)
-    return out[0, len(prompt) :].tolist()
 
 
 def answered_per_engine(server: VLLMServer) -> dict[str, float]:

@@ -30,6 +30,8 @@ from lorasync.testing import make_peft_model, make_tiny_model
 from lorasync.testing.vllm_router import VLLMRouterProcess
 from lorasync.testing.vllm_server import VLLMServer, free_port, start_all
 
+from tests.support.greedy import peft_greedy as reference
+
 pytestmark = pytest.mark.vllm
 
 PROMPTS = ([5, 17, 99, 230, 41], [300, 12, 7], [64, 65, 66, 67, 68, 69])
@@ -60,12 +62,6 @@ def router(workers: list[VLLMServer], tmp_path_factory: pytest.TempPathFactory) 
 
 def trained(seed: int) -> torch.nn.Module:
     return make_peft_model(make_tiny_model(), r=8, seed=seed)
-
-
-def reference(model: torch.nn.Module, prompt: list[int], n: int = 6) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long), max_new_tokens=n, do_sample=False)
-    return out[0, len(prompt) :].tolist()
 
 
 def through_router(router: VLLMRouterProcess, model: str, prompt: list[int], n: int = 6) -> list[int]:
