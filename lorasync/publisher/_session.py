@@ -38,6 +38,7 @@ from lorasync.engines._engine import Engine
 from lorasync.engines._hosts import server_key
 from lorasync.errors import ConfigError, LoraSyncError, VerificationError
 from lorasync.transports._store import DiskStore
+from lorasync.transports.disk import DiskTransport
 
 __all__ = ["PublisherLife", "aclose_all", "refuse_duplicates"]
 
@@ -51,6 +52,7 @@ class PublisherLife(Closing):
     engines: list[Engine]
     _made: list[Engine]  # the engines it made from specs (its own to close)
     store: DiskStore
+    _disk: DiskTransport
     _pins: dict[int, int]
     _pins_guard: threading.Lock
     _lock: LoopLock
@@ -280,6 +282,7 @@ class PublisherLife(Closing):
     async def _close_out(self) -> None:
         async with held(self._lock, closer=True):
             await self._care.close_out()
+            await self._disk.settle()  # a cancelled publish's write removes what it wrote first
 
     def _release(self) -> None:
         """Let go of the loop thread and the store, not of the engines (the function API's

@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 
 from lorasync.errors import PublisherClosedError
 
-__all__ = ["UNWIND_S", "DaemonPool", "LoopThread", "to_thread", "tracked_calls"]
+__all__ = ["UNWIND_S", "DaemonPool", "LoopThread", "to_thread", "to_thread_untracked", "tracked_calls"]
 
 T = TypeVar("T")
 
@@ -155,6 +155,16 @@ async def to_thread(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
     future = pool.submit(call)
     calls.append(future)
     return await asyncio.wrap_future(future, loop=loop)
+
+
+async def to_thread_untracked(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+    """:func:`to_thread`, never noted by :func:`tracked_calls`: for work that is no engine's
+    (a store write), which an engine's next call must not wait for."""
+    token = _TRACKED.set(None)
+    try:
+        return await to_thread(fn, *args, **kwargs)
+    finally:
+        _TRACKED.reset(token)
 
 
 @contextlib.contextmanager
