@@ -105,8 +105,12 @@ class DiskTransport(Transport):
             if done is not None and done.adapter is adapter:
                 return done
             await self.settle()
+            for left in self._abandoned:
+                if left.key == (name, version):
+                    with left.lock:  # past the wait: this write takes the version over, never undone by it
+                        left.kept = True
             start = time.perf_counter()
-            job = _Job()
+            job = _Job((name, version))
             try:  # a daemon thread (a stuck disk never holds asyncio.run's exit), no engine's call
                 path, written, digest = await to_thread_untracked(self._write_job, job, adapter, name, version)
             except asyncio.CancelledError:
@@ -127,11 +131,12 @@ class DiskTransport(Transport):
         removes what it wrote (exactly one of this thread and the cancelled caller does)."""
         try:
             out = self.store.write_hashed(adapter, name, version)
-            with job.lock:
+            with job.lock:  # held over the removal: a later write of the version waits for it (kept)
                 if not job.abandoned:
                     job.result = out
                     return out
-            self._undo(name, version, out[1])
+                if not job.kept:
+                    self._undo(name, version, out[1])
             return out
         finally:
             job.ended.set_result(None)
@@ -156,10 +161,13 @@ class DiskTransport(Transport):
 
 @dataclass
 class _Job:
-    """One write in its thread; ``abandoned`` and ``result`` are read and set under ``lock``."""
+    """One write in its thread; ``abandoned``, ``kept`` (a later write of the same version took it
+    over: nothing is removed) and ``result`` are read and set under ``lock``."""
 
+    key: tuple[str, int]
     lock: threading.Lock = field(default_factory=threading.Lock)
     abandoned: bool = False
+    kept: bool = False
     result: tuple[object, int, str] | None = None
     ended: concurrent.futures.Future[None] = field(default_factory=concurrent.futures.Future)
 

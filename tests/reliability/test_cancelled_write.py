@@ -207,3 +207,60 @@ def test_a_cancelled_rewrite_of_an_existing_version_keeps_it(tmp_path):
     assert report.ok, report
     assert same(served_lora(engine, "p@v1"), dict(_adapter(1).tensors))
     pub.close()
+
+
+def test_the_same_version_again_after_a_cancelled_write_serves_the_new_content(tmp_path):
+    # The trainer retries the step it cancelled, with tensors that moved on meanwhile: the
+    # abandoned write's v2 goes first, so the retry is no clash with it.
+    pub, engine = _publisher(tmp_path)
+    held = _HeldWrite(pub, 2)
+
+    async def trainer() -> Any:
+        await (await pub.apublish(_adapter(1), version=1)).asettled()
+        await _cancel_mid_write(pub, held, 2)
+        threading.Timer(0.3, held.release.set).start()
+        report = await asyncio.wait_for(pub.apublish(_adapter(22), version=2), disk_module.ABANDONED_WRITE_WAIT_S + 10)
+        await report.asettled()
+        return report
+
+    report = bounded(asyncio.run, trainer(), what="the retry of a cancelled version")
+    assert report.ok, report
+    assert same(served_lora(engine, "p@v2"), dict(_adapter(22).tensors))
+    assert pub.store.content_hash("p", 2) == report.content_hash
+    pub.close()
+
+
+def test_a_retry_past_the_bound_takes_the_version_over_and_the_late_write_removes_nothing(tmp_path, monkeypatch):
+    # The cancelled write has put v2 in place but not returned yet when the retry of the same
+    # version (same content) comes, past the bound: the retry finds v2 and the engine loads it;
+    # the late write, ending after, must not remove what now serves.
+    monkeypatch.setattr(disk_module, "ABANDONED_WRITE_WAIT_S", 0.2)
+    pub, engine = _publisher(tmp_path)
+    wrote, finish = threading.Event(), threading.Event()
+
+    def late_end() -> None:
+        wrote.set()
+        finish.wait(30)
+
+    held = _HeldWrite(pub, 2, on_end=late_end)
+    real = type(pub.store).write_hashed.__get__(pub.store)
+
+    async def trainer() -> Any:
+        await (await pub.apublish(_adapter(1), version=1)).asettled()
+        await _cancel_mid_write(pub, held, 2)
+        held.release.set()
+        assert await asyncio.to_thread(wrote.wait, 10)  # v2 is in place; its write has not returned
+        pub.store.write_hashed = real  # type: ignore[method-assign]  # the retry writes at once
+        report = await asyncio.wait_for(pub.apublish(_adapter(2), version=2), 10)
+        finish.set()
+        assert await asyncio.to_thread(held.ended.wait, 10)
+        await report.asettled()
+        return report
+
+    report = bounded(asyncio.run, trainer(), what="a retry past the bound")
+    assert report.ok, report
+    time.sleep(0.2)
+    assert 2 in _versions(pub), "the late write of the cancelled publish removed the version that serves"
+    assert same(served_lora(engine, "p@v2"), dict(_adapter(2).tensors))
+    assert _leftovers(tmp_path) == []
+    pub.close()
