@@ -293,9 +293,14 @@ class Adapter:
         """
         return self._write(Path(directory), None)[0]
 
-    def save_hashed(self, directory: str | os.PathLike[str]) -> tuple[Path, str]:
+    def save_hashed(self, directory: str | os.PathLike[str], *, parents: bool = True) -> tuple[Path, str]:
         """:meth:`save`, and the :attr:`content_hash` of exactly the bytes written, computed in
         the same pass (each tensor hashed right before its memory is written).
+
+        Args:
+            directory: where the files go (made if missing).
+            parents (`bool`): also make missing folders above ``directory`` (False: its parent
+                must exist; a store's temp folder whose run was removed is not made again).
 
         Returns:
             ``(directory, content_hash)``.
@@ -304,17 +309,17 @@ class Adapter:
             StorageError: the directory cannot be written.
         """
         h = _hasher()
-        path, hashed = self._write(Path(directory), h)
+        path, hashed = self._write(Path(directory), h, parents=parents)
         if not hashed:  # a dtype the fast writer cannot lay out: hashed on its own
             for _ in self._hashed_chunks(h):
                 pass
         return path, HASH_PREFIX + h.hexdigest()
 
-    def _write(self, path: Path, h: Any) -> tuple[Path, bool]:
+    def _write(self, path: Path, h: Any, *, parents: bool = True) -> tuple[Path, bool]:
         """Save into ``path``, feeding ``h`` (when given) the hashed stream; whether it was fed."""
         hashed = False
         try:
-            path.mkdir(parents=True, exist_ok=True)
+            path.mkdir(parents=parents, exist_ok=True)
             if _any_cuda(self._tensors):
                 # One device-to-host transfer, the file already laid out in the host buffer.
                 buffer = serialize(self._tensors, {"format": "pt"})

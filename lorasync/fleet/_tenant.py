@@ -168,6 +168,7 @@ async def release(tenant: Tenant, engines: Sequence[Engine]) -> None:
     re-read them for a request they admitted), its run (folder and owner lock: every register /
     retire cycle gives back what it took) and loop. The engines stay open."""
     pub = tenant.publisher
+    await pub._disk.settle()  # a round cancelled mid-write: that write ends before the run goes
     if any(pub._handles[id(e)].reloads for e in engines):
         await asyncio.sleep(pub.retention.grace)
     for version in await asyncio.to_thread(pub.store.versions, tenant.name):

@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 
 from lorasync.errors import PublisherClosedError
 
-__all__ = ["UNWIND_S", "DaemonPool", "LoopThread", "to_thread", "to_thread_untracked", "tracked_calls"]
+__all__ = ["UNWIND_S", "DaemonPool", "LoopThread", "to_thread", "to_thread_pool", "to_thread_untracked", "tracked_calls"]
 
 T = TypeVar("T")
 
@@ -165,6 +165,12 @@ async def to_thread_untracked(fn: Callable[..., T], /, *args: Any, **kwargs: Any
         return await to_thread(fn, *args, **kwargs)
     finally:
         _TRACKED.reset(token)
+
+
+def to_thread_pool(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> concurrent.futures.Future[T]:
+    """Start ``fn`` in lorasync's shared daemon threads and return at once (nothing awaits it:
+    work a cancelled call leaves for after it, which nothing must cancel in turn)."""
+    return _SHARED.submit(functools.partial(contextvars.copy_context().run, fn, *args, **kwargs))
 
 
 @contextlib.contextmanager

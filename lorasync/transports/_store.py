@@ -26,7 +26,8 @@ A version is written into a hidden temp directory inside the run, fsynced, then 
 place, so a reader (an engine) sees a complete version or none. A failed write removes its temp
 directory at once (a full disk leaves nothing behind). A published version is never rewritten;
 removal renames it to a hidden trash name first, so a half-deleted directory is never visible
-under a published name.
+under a published name. (Over 400 lines because the run's whole life, owned, written, recorded
+and swept, is one class whose methods share its checks.)
 """
 
 from __future__ import annotations
@@ -50,9 +51,13 @@ from lorasync.transports._layout import versions_in as _versions_in
 from lorasync.transports._owned import GUARD, LIVE, OWNED
 from lorasync.transports._trust import check_ancestors, folders, make_ancestors, root_path
 
-__all__ = ["DiskStore", "default_root", "new_run_id"]
+__all__ = ["DiskStore", "WriteNotWanted", "default_root", "new_run_id"]
 
 _SHM = Path("/dev/shm")
+
+
+class WriteNotWanted(Exception):  # noqa: N818 - raised to a caller that asked for it
+    """A write whose ``wanted`` check answered False: nothing of it was left in the run."""
 
 
 def default_root() -> Path:
@@ -91,6 +96,7 @@ class DiskStore:
         self._owner: dict[str, Path] = {}
         self._pid = os.getpid()
         self._checked = False  # the folders above the root
+        self._closed = False
         # Who will hold a version being written (the publisher's intent, set before each load), so
         # the record exists from the moment the version is visible: see :meth:`record`.
         self.holders_of: Callable[[str, int], Iterable[str]] | None = None
@@ -166,8 +172,14 @@ class DiskStore:
         """Stop using this run (files stay; the process keeps the run's lock; idempotent).
 
         Never waits (a collected publisher's finalizer calls it; see :class:`~lorasync.transports._owned.Guard`)."""
+        self._closed = True
         owned, self._owner = list(self._owner.values()), {}
         GUARD.free(owned)
+
+    @property
+    def closed(self) -> bool:
+        """:meth:`close` was called: nothing may take this run again through this store."""
+        return self._closed
 
     def end_run(self, name: str) -> bool:
         """Give this run of ``name`` up for good (its folder, then its lock) once no version is left
@@ -229,8 +241,13 @@ class DiskStore:
         path, written, _ = self.write_hashed(adapter, name, version)
         return path, written
 
-    def write_hashed(self, adapter: Adapter, name: str, version: int) -> tuple[Path, int, str]:
+    def write_hashed(self, adapter: Adapter, name: str, version: int, *, wanted: Callable[[], bool] | None = None) -> tuple[Path, int, str]:
         """:meth:`write`, and the content hash of exactly the bytes written, from the write pass.
+
+        Args:
+            wanted: asked right before the new version is put in place and right after; once False
+                (its publish was cancelled) the version is not put in place, or taken out again
+                (through the run's folder held open), and :class:`WriteNotWanted` is raised.
 
         Returns:
             ``(path, bytes_written, content_hash)``; the recorded hash when the identical version
@@ -238,12 +255,13 @@ class DiskStore:
 
         Raises:
             PublishError, StorageError: as :meth:`write`. ConfigError: as :meth:`own`.
+            WriteNotWanted: ``wanted`` answered False; nothing of this write is left.
         """
         final = self.path_for(name, version)
         with self._run(name) as run_fd:
-            return self._write_at(run_fd, adapter, name, version, final)
+            return self._write_at(run_fd, adapter, name, version, final, wanted)
 
-    def _write_at(self, run_fd: int, adapter: Adapter, name: str, version: int, final: Path) -> tuple[Path, int, str]:
+    def _write_at(self, run_fd: int, adapter: Adapter, name: str, version: int, final: Path, wanted: Callable[[], bool] | None = None) -> tuple[Path, int, str]:
         existing = _recorded_hash((run_fd, final.name))
         if existing is not None:
             if adapter.matches_hash(existing):
@@ -258,12 +276,18 @@ class DiskStore:
         digest = ""
         try:
             os.mkdir(tmp, 0o700, dir_fd=run_fd)
-            digest = adapter.save_hashed(final.parent / tmp)[1]  # the hash of the bytes written, same pass
+            # Never the run's folder again (parents=False): a run given up meanwhile stays gone.
+            digest = adapter.save_hashed(final.parent / tmp, parents=False)[1]  # the hash of the bytes written, same pass
             meta = {"name": name, "version": version, "run": self.run, "content_hash": digest, "created": time.time()}
             holders = None if self.holders_of is None else sorted(set(self.holders_of(name, version)))
             written = seal_version(run_fd, tmp, meta, holders)
+            if wanted is not None and not wanted():
+                raise WriteNotWanted(f"{name} v{version}: the publish that asked for it was cancelled")
             os.rename(tmp, final.name, src_dir_fd=run_fd, dst_dir_fd=run_fd)
             os.fsync(run_fd)
+            if wanted is not None and not wanted():  # cancelled while it was put in place
+                remove_version(run_fd, final.name)
+                raise WriteNotWanted(f"{name} v{version}: its publish was cancelled")
         except OSError as exc:
             remove_tree_at(run_fd, tmp)
             there = _recorded_hash((run_fd, final.name)) if errno_of(exc) in (errno.ENOTEMPTY, errno.EEXIST) else None

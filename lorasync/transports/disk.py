@@ -2,10 +2,20 @@
 engine loads by path.
 
 A version is written in a thread. A cancel stops the awaiting, never the write: the write that a
-cancelled publish left running is *abandoned*. It removes what it wrote when it ends (nobody was
-handed it, so it was never loaded, served or recorded), and the next write and the publisher's
-close wait for it (at most ``ABANDONED_WRITE_WAIT_S``), so no temp directory or unrecorded version
-appears in the run after the publish that follows, or after close.
+cancelled publish left running is *abandoned*, and leaves nothing in the run (nobody was handed
+it, so it was never loaded, served or recorded):
+
+* a write that had not begun never begins (the pool may also drop it);
+* one under way asks, right before and right after it puts the version in place, whether it is
+  still wanted (``DiskStore.write_hashed(wanted=...)``), and takes it out through the run's folder
+  it holds open;
+* one whose answer the cancel lost is undone by a thread of its own, and by the next write of the
+  same version first.
+
+Work on one version takes that version's lock in its thread, never on the event loop, so a retry
+of a cancelled version never finds, nor loses, the cancelled write's files. The next write and
+the publisher's close wait for abandoned writes (at most ``ABANDONED_WRITE_WAIT_S``), so no temp
+folder or unrecorded version appears in the run after the publish that follows, or after close.
 """
 
 from __future__ import annotations
@@ -15,12 +25,12 @@ import concurrent.futures
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from lorasync.runtime._loop import to_thread_untracked
+from lorasync.runtime._loop import to_thread_pool, to_thread_untracked
 from lorasync.transports._transport import Delivery, Transport
-from lorasync.transports._store import DiskStore
+from lorasync.transports._store import DiskStore, WriteNotWanted
 
 if TYPE_CHECKING:
     from lorasync.adapter._adapter import Adapter
@@ -51,11 +61,18 @@ class DiskTransport(Transport):
         # without hashing the adapter again (the publisher clears it at each publish). The bytes
         # and seconds of the write are reported once, by the first delivery that uses it.
         self._written: dict[tuple[str, int], _Written] = {}
-        self._abandoned: list[_Job] = []  # writes of cancelled publishes that may still run
+        self._abandoned: list[_Job] = []  # writes (and undos) of cancelled publishes that may still run
+        self._slots: dict[tuple[str, int], _Slot] = {}
+        self._slots_guard = threading.Lock()
 
     def new_publish(self) -> None:
         """Forget what earlier publishes wrote (their tensors may have changed in place since)."""
         self._written.clear()
+        # One lock and slot per version ever written would grow with every step: keep those in use.
+        self._locks = {key: lock for key, lock in self._locks.items() if lock.locked()}
+        busy = {id(job.slot) for job in self._abandoned if not job.ended.done()}
+        with self._slots_guard:
+            self._slots = {key: slot for key, slot in self._slots.items() if id(slot) in busy or slot.undo or slot.lock.locked()}
 
     def unsupported(self, caps: Capabilities) -> str | None:
         if not caps.lora or not caps.runtime_lora:
@@ -92,7 +109,7 @@ class DiskTransport(Transport):
 
     async def settle(self) -> None:
         """Wait for the writes cancelled publishes left running (at most
-        ``ABANDONED_WRITE_WAIT_S``); each removes what it wrote when it ends."""
+        ``ABANDONED_WRITE_WAIT_S``); none of them leaves anything in the run."""
         running = [asyncio.wrap_future(job.ended) for job in self._abandoned if not job.ended.done()]
         if running:
             await asyncio.wait(running, timeout=ABANDONED_WRITE_WAIT_S)
@@ -105,45 +122,86 @@ class DiskTransport(Transport):
             if done is not None and done.adapter is adapter:
                 return done
             await self.settle()
-            for left in self._abandoned:
-                if left.key == (name, version):
-                    with left.lock:  # past the wait: this write takes the version over, never undone by it
-                        left.kept = True
             start = time.perf_counter()
-            job = _Job((name, version))
+            job = _Job(self._slot(name, version))
             try:  # a daemon thread (a stuck disk never holds asyncio.run's exit), no engine's call
                 path, written, digest = await to_thread_untracked(self._write_job, job, adapter, name, version)
             except asyncio.CancelledError:
-                with job.lock:
-                    job.abandoned = True
-                    lost = job.result  # the write ended, but its answer never reached this publish
-                if lost is not None:
-                    self._undo(name, version, lost[1])
-                elif not job.ended.done():
-                    self._abandoned.append(job)
+                self._abandon(job, name, version)
                 raise
             done = _Written(adapter, str(path), digest, written, time.perf_counter() - start, new=written > 0)
             self._written[(name, version)] = done
             return done
 
-    def _write_job(self, job: _Job, adapter: Adapter, name: str, version: int) -> tuple[object, int, str]:
-        """The write, in its thread: when the publish that started it was cancelled meanwhile, it
-        removes what it wrote (exactly one of this thread and the cancelled caller does)."""
+    def _slot(self, name: str, version: int) -> _Slot:
+        with self._slots_guard:
+            return self._slots.setdefault((name, version), _Slot())
+
+    def _write_job(self, job: _Job, adapter: Adapter, name: str, version: int) -> tuple[object, int, str] | None:
+        """The write, in its thread, holding its version's slot (a write of the same version waits
+        for it; the event loop never does). Wanted only while its publish awaits it."""
         try:
-            out = self.store.write_hashed(adapter, name, version)
-            with job.lock:  # held over the removal: a later write of the version waits for it (kept)
-                if not job.abandoned:
-                    job.result = out
-                    return out
-                if not job.kept:
-                    self._undo(name, version, out[1])
-            return out
+            with job.flags:
+                if job.abandoned:
+                    return None  # cancelled before it began: nothing to write
+                job.started = True
+            with job.slot.lock:
+                self._undo_at(job.slot, name, version)  # a cancelled write's version goes before anything reads it
+                if job.abandoned:
+                    return None  # cancelled while it waited for another write of this version
+                try:
+                    out = self.store.write_hashed(adapter, name, version, wanted=lambda: not job.abandoned)
+                except WriteNotWanted:
+                    return None
+                with job.flags:
+                    if not job.abandoned:
+                        job.result = out
+                        return out
+                if out[1]:  # cancelled after its last check: what it put in place goes again
+                    with job.slot.flags:
+                        job.slot.undo = True
+                    self._undo_at(job.slot, name, version)
+                return None
+        finally:
+            with job.flags:
+                if not job.ended.done():
+                    job.ended.set_result(None)
+
+    def _abandon(self, job: _Job, name: str, version: int) -> None:
+        """A cancelled caller lets go of its write: a write that has not begun never will, one
+        under way leaves nothing (``wanted``), and one whose answer was lost here is undone by a
+        thread before anything reads that version (the version's next write does it first)."""
+        with job.flags:  # never held across file work: the loop only flips flags here
+            job.abandoned = True
+            lost = job.result
+            if not job.started and not job.ended.done():
+                job.ended.set_result(None)  # the pool may drop a call cancelled before it ran
+        if lost is not None and lost[1]:
+            with job.slot.flags:
+                job.slot.undo = True
+            undo = _Job(job.slot, started=True)
+            self._abandoned.append(undo)
+            to_thread_pool(self._undo_job, undo, name, version)
+        elif not job.ended.done():
+            self._abandoned.append(job)
+
+    def _undo_job(self, job: _Job, name: str, version: int) -> None:
+        try:
+            with job.slot.lock:
+                self._undo_at(job.slot, name, version)
         finally:
             job.ended.set_result(None)
 
-    def _undo(self, name: str, version: int, written: int) -> None:
-        if not written:
-            return  # the identical version was there before: not this write's to remove
+    def _undo_at(self, slot: _Slot, name: str, version: int) -> None:
+        """Remove the version a cancelled publish wrote but never read, if still to do (the
+        caller holds ``slot.lock``)."""
+        with slot.flags:
+            if not slot.undo:
+                return
+            slot.undo = False
+        if self.store.closed:
+            log.warning("%s v%d, written by a publish that was cancelled, stays: its publisher closed first", name, version)
+            return
         try:
             self.store.remove(name, version)
         except Exception as exc:  # noqa: BLE001 - nothing was handed this version; the run's sweep collects it
@@ -159,17 +217,28 @@ class DiskTransport(Transport):
         return Delivery(served_name=served, bytes_moved=size, timings={"write": write_s, "load": load_s})
 
 
-@dataclass
-class _Job:
-    """One write in its thread; ``abandoned``, ``kept`` (a later write of the same version took it
-    over: nothing is removed) and ``result`` are read and set under ``lock``."""
+class _Slot:
+    """One version of this transport: ``lock`` is held by a thread over a write or an undo of
+    it (never by the event loop); ``undo`` (under ``flags``): a cancelled publish's write put it
+    in place and nobody will read it, so it is removed before anything else touches it."""
 
-    key: tuple[str, int]
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    abandoned: bool = False
-    kept: bool = False
-    result: tuple[object, int, str] | None = None
-    ended: concurrent.futures.Future[None] = field(default_factory=concurrent.futures.Future)
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.flags = threading.Lock()
+        self.undo = False
+
+
+class _Job:
+    """One write in its thread; ``abandoned``, ``started`` and ``result`` are read and set under
+    ``flags``, which is never held across file work."""
+
+    def __init__(self, slot: _Slot, *, started: bool = False) -> None:
+        self.slot = slot
+        self.flags = threading.Lock()
+        self.abandoned = False
+        self.started = started
+        self.result: tuple[object, int, str] | None = None
+        self.ended: concurrent.futures.Future[None] = concurrent.futures.Future()
 
 
 @dataclass

@@ -45,13 +45,13 @@ class _HeldWrite:
         self.started, self.release, self.ended = threading.Event(), threading.Event(), threading.Event()
         real = pub.store.write_hashed
 
-        def write_hashed(adapter: Any, name: str, v: int) -> Any:
-            if v != version:
-                return real(adapter, name, v)
+        def write_hashed(adapter: Any, name: str, v: int, **kw: Any) -> Any:
+            if v != version or self.started.is_set():
+                return real(adapter, name, v, **kw)  # only the first write of the version is held
             self.started.set()
             self.release.wait(30)
             try:
-                return real(adapter, name, v)
+                return real(adapter, name, v, **kw)
             finally:
                 if on_end is not None:
                     on_end()
@@ -132,12 +132,14 @@ def test_a_cancel_that_lands_after_the_write_ended_removes_the_version_it_never_
 
     bounded(asyncio.run, trainer(), what="the cancelled publish")
     assert held.ended.is_set()
-    assert _leftovers(tmp_path) == []
-    assert _versions(pub) == [1]
     assert "p@v2" not in engine.list_adapters()
-    report = pub.publish(_adapter(2), version=2)  # the same version again, now whole
+    # The retry, with tensors that moved on: the cancelled write's v2 was taken out first (by a
+    # thread of its own, or by this write), so the new content is what serves, not a clash.
+    report = pub.publish(_adapter(23), version=2)
     assert report.ok, report
-    assert same(served_lora(engine, "p@v2"), dict(_adapter(2).tensors))
+    assert same(served_lora(engine, "p@v2"), dict(_adapter(23).tensors))
+    assert pub.store.content_hash("p", 2) == report.content_hash
+    assert _leftovers(tmp_path) == [] and _versions(pub) == [1, 2]
     pub.close()
 
 
@@ -230,10 +232,12 @@ def test_the_same_version_again_after_a_cancelled_write_serves_the_new_content(t
     pub.close()
 
 
-def test_a_retry_past_the_bound_takes_the_version_over_and_the_late_write_removes_nothing(tmp_path, monkeypatch):
+def test_a_retry_past_the_bound_waits_for_the_late_write_of_its_version(tmp_path, monkeypatch):
     # The cancelled write has put v2 in place but not returned yet when the retry of the same
-    # version (same content) comes, past the bound: the retry finds v2 and the engine loads it;
-    # the late write, ending after, must not remove what now serves.
+    # version comes, past the bound: the retry's write waits for that one (in its thread, never
+    # on the event loop), which takes its v2 out again; the retry then writes v2, which serves
+    # with its files. (Before: the retry adopted the late write's v2, which that write then
+    # removed under the engine.)
     monkeypatch.setattr(disk_module, "ABANDONED_WRITE_WAIT_S", 0.2)
     pub, engine = _publisher(tmp_path)
     wrote, finish = threading.Event(), threading.Event()
@@ -251,9 +255,9 @@ def test_a_retry_past_the_bound_takes_the_version_over_and_the_late_write_remove
         held.release.set()
         assert await asyncio.to_thread(wrote.wait, 10)  # v2 is in place; its write has not returned
         pub.store.write_hashed = real  # type: ignore[method-assign]  # the retry writes at once
-        report = await asyncio.wait_for(pub.apublish(_adapter(2), version=2), 10)
-        finish.set()
-        assert await asyncio.to_thread(held.ended.wait, 10)
+        threading.Timer(1.0, finish.set).start()  # the late write ends while the retry waits for it
+        report = await asyncio.wait_for(pub.apublish(_adapter(2), version=2), 20)
+        assert held.ended.is_set()
         await report.asettled()
         return report
 
