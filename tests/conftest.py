@@ -84,6 +84,40 @@ def vllm_server(vllm_python: Path, tiny_model_dir: Path, tmp_path_factory: pytes
         yield server
 
 
+@pytest.fixture(scope="session")
+def vllm_dp_server(vllm_python: Path, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """A data-parallel vLLM CPU server: two engine cores behind one API server
+    (``--data-parallel-size 2 --api-server-count 1``, the only data-parallel form that takes
+    runtime LoRA loads), otherwise as :func:`vllm_server`. Its tests share one xdist worker
+    (``SHARED_WORKER["vllm-dp"]``), so it starts once."""
+    import os
+
+    from lorasync.testing.vllm_server import VLLMServer
+
+    log = tmp_path_factory.mktemp("vllm-dp-logs") / "vllm-dp.log"
+    # vLLM CPU splits VLLM_CPU_OMP_THREADS_BIND per data-parallel rank at "|": the one core an xdist
+    # worker's engines get (pytest_configure below) left the second rank an empty list, and its
+    # engine core died at start ("Given number of CPU id list [] doesn't match local world size 1").
+    bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    env = {"VLLM_CPU_OMP_THREADS_BIND": f"{bind}|{bind}"} if bind and "|" not in bind and bind != "auto" else None
+    with VLLMServer(
+        tiny_model_dir,
+        python=vllm_python,
+        served_model_name="tiny-base",
+        log_path=log,
+        extra_args=(
+            "--worker-extension-cls",
+            "lorasync.engines.vllm_worker.LoraSyncWorkerExtension",
+            "--data-parallel-size",
+            "2",
+            "--api-server-count",
+            "1",
+        ),
+        env=env,
+    ) as server:
+        yield server
+
+
 # -- two workers (pytest-xdist, ``-n 2 --dist loadgroup`` in scripts/test.sh) -----------------------
 #
 # Most of the suite's time is vLLM starting (three processes importing vLLM per server or in-process
@@ -98,6 +132,11 @@ SHARED_WORKER = {
         "tests/engines/test_ray_trust.py",
         "tests/fleet/test_fleet_ray.py",
         "tests/docs/test_docs.py",
+    ),
+    # The data-parallel vLLM server (vllm_dp_server) starts once for both.
+    "vllm-dp": (
+        "tests/engines/test_vllm_data_parallel.py",
+        "tests/integrations/test_trl_async_grpo.py",
     ),
 }
 _GROUP_OF_FILE = {path: group for group, paths in SHARED_WORKER.items() for path in paths}

@@ -11,9 +11,7 @@ exact against PEFT's greedy tokens.
 
 from __future__ import annotations
 
-import os
 import re
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -30,26 +28,6 @@ from tests.support.greedy import peft_greedy as reference
 pytestmark = pytest.mark.vllm
 
 PROMPTS = ([5, 17, 99, 230, 41], [300, 12, 7], [64, 65, 66, 67, 68, 69])
-EXTENSION = ("--worker-extension-cls", "lorasync.engines.vllm_worker.LoraSyncWorkerExtension")
-
-
-@pytest.fixture(scope="module")
-def dp_server(vllm_python: Path, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
-    log = tmp_path_factory.mktemp("vllm-dp-logs") / "vllm-dp.log"
-    # vLLM CPU splits VLLM_CPU_OMP_THREADS_BIND per data-parallel rank at "|": the one core an xdist
-    # worker's engines get (tests/conftest.py) left the second rank an empty list, and its engine
-    # core died at start ("Given number of CPU id list [] doesn't match local world size 1").
-    bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
-    env = {"VLLM_CPU_OMP_THREADS_BIND": f"{bind}|{bind}"} if bind and "|" not in bind and bind != "auto" else None
-    with VLLMServer(
-        tiny_model_dir,
-        python=vllm_python,
-        served_model_name="tiny-base",
-        log_path=log,
-        extra_args=(*EXTENSION, "--data-parallel-size", "2", "--api-server-count", "1"),
-        env=env,
-    ) as server:
-        yield server
 
 
 def answered_per_engine(server: VLLMServer) -> dict[str, float]:
@@ -79,8 +57,8 @@ def every_engine_serves(server: VLLMServer, model: str, expected: list[list[int]
     raise AssertionError(f"{model}: not every engine core answered: before {before}, after {answered_per_engine(server)}")
 
 
-def test_every_engine_core_serves_each_published_version(dp_server: VLLMServer, tmp_path: Path) -> None:
-    with connect("vllm", dp_server.url) as engine:
+def test_every_engine_core_serves_each_published_version(vllm_dp_server: VLLMServer, tmp_path: Path) -> None:
+    with connect("vllm", vllm_dp_server.url) as engine:
         published: list[str] = []
         pubs = {t: Publisher([engine], name=f"dp-{t}", root=tmp_path / t, keep=1, transport=t) for t in ("ipc", "disk")}
         try:
@@ -88,7 +66,7 @@ def test_every_engine_core_serves_each_published_version(dp_server: VLLMServer, 
                 model = make_peft_model(make_tiny_model(), r=8, seed=20 + step)
                 report = pubs[transport].publish(export(model), version=step + 1).raise_for_errors()
                 assert [r.transport for r in report.results] == [transport]
-                every_engine_serves(dp_server, report.served_name, [reference(model, list(p)) for p in PROMPTS])
+                every_engine_serves(vllm_dp_server, report.served_name, [reference(model, list(p)) for p in PROMPTS])
                 report.settled()
                 published.append(report.served_name)
             # keep=1: the IPC publisher's first version was retired when its second served.
