@@ -78,20 +78,21 @@ async def _cancel_mid_write(pub: Publisher, held: _HeldWrite, version: int) -> N
         await task
 
 
+async def _cancel_v2_then(pub: Publisher, held: _HeldWrite, adapter: Any, version: int) -> Any:
+    """v1 served; v2's publish cancelled mid-write, the write ending a moment after (as a slow
+    disk's would); then ``adapter`` published as ``version`` and settled. Its report."""
+    await (await pub.apublish(_adapter(1), version=1)).asettled()
+    await _cancel_mid_write(pub, held, 2)
+    threading.Timer(0.3, held.release.set).start()
+    report = await asyncio.wait_for(pub.apublish(adapter, version=version), disk_module.ABANDONED_WRITE_WAIT_S + 10)
+    await report.asettled()
+    return report
+
+
 def test_the_next_publish_waits_for_the_cancelled_write_which_leaves_nothing(tmp_path):
     pub, engine = _publisher(tmp_path)
     held = _HeldWrite(pub, 2)
-
-    async def trainer() -> Any:
-        await (await pub.apublish(_adapter(1), version=1)).asettled()
-        await _cancel_mid_write(pub, held, 2)
-        # The write ends a moment after the cancel, as a slow disk's would.
-        threading.Timer(0.3, held.release.set).start()
-        report = await asyncio.wait_for(pub.apublish(_adapter(3), version=3), disk_module.ABANDONED_WRITE_WAIT_S + 10)
-        await report.asettled()
-        return report
-
-    report = bounded(asyncio.run, trainer(), what="the publish after a cancelled write")
+    report = bounded(asyncio.run, _cancel_v2_then(pub, held, _adapter(3), 3), what="the publish after a cancelled write")
     assert report.ok, report
     assert held.ended.is_set()
     assert _leftovers(tmp_path) == []
@@ -216,16 +217,7 @@ def test_the_same_version_again_after_a_cancelled_write_serves_the_new_content(t
     # abandoned write's v2 goes first, so the retry is no clash with it.
     pub, engine = _publisher(tmp_path)
     held = _HeldWrite(pub, 2)
-
-    async def trainer() -> Any:
-        await (await pub.apublish(_adapter(1), version=1)).asettled()
-        await _cancel_mid_write(pub, held, 2)
-        threading.Timer(0.3, held.release.set).start()
-        report = await asyncio.wait_for(pub.apublish(_adapter(22), version=2), disk_module.ABANDONED_WRITE_WAIT_S + 10)
-        await report.asettled()
-        return report
-
-    report = bounded(asyncio.run, trainer(), what="the retry of a cancelled version")
+    report = bounded(asyncio.run, _cancel_v2_then(pub, held, _adapter(22), 2), what="the retry of a cancelled version")
     assert report.ok, report
     assert same(served_lora(engine, "p@v2"), dict(_adapter(22).tensors))
     assert pub.store.content_hash("p", 2) == report.content_hash
