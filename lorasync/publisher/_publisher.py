@@ -210,7 +210,9 @@ class Publisher(PublisherLife):
             timings["export"] = time.perf_counter() - start
         probe = verify or self.verify
         self._probed = self._probed or probe is not None  # in-place versions keep a copy to restore from now
-        async with held(self._lock):
+        # Cancelled after its write: files no engine recorded go (in-place versions serve from theirs).
+        recorded = lambda: self.in_place or any(version in ledger.versions for ledger in self._ledgers.values())  # noqa: E731
+        async with held(self._lock), self._disk.cancel_guard(self.name, version, recorded=recorded):
             await self._care.previous_settled()
             self._disk.new_publish()
             # From here on the publish reads the tensors: a change now tears it (a Fleet round's

@@ -248,6 +248,7 @@ class PublisherLife(Closing):
             if self._loop.running or self._care.background.pending:
                 with contextlib.suppress(LoraSyncError):
                     self._loop.run(self._close_out())
+            self._disk.settle_blocking()  # apublish's cancelled writes, when no loop of its own ran
         finally:
             self._shutdown()
             for engine in self.engines:
@@ -293,6 +294,8 @@ class PublisherLife(Closing):
         if not self._life.begin_close():
             return
         self._lock.refuse(lambda: self._life.closed_error("a call waiting for the publisher"))
+        # Not waiting for a cancelled write here (called from async code): the process-wide lock
+        # of its version orders it before any later write of that version.
         self._shutdown()
         self._life.closed()
         self._finalizer.detach()

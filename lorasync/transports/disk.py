@@ -22,10 +22,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import threading
 import time
+import weakref
 from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
 from lorasync.runtime._loop import to_thread_pool, to_thread_untracked
@@ -62,17 +65,12 @@ class DiskTransport(Transport):
         # and seconds of the write are reported once, by the first delivery that uses it.
         self._written: dict[tuple[str, int], _Written] = {}
         self._abandoned: list[_Job] = []  # writes (and undos) of cancelled publishes that may still run
-        self._slots: dict[tuple[str, int], _Slot] = {}
-        self._slots_guard = threading.Lock()
 
     def new_publish(self) -> None:
         """Forget what earlier publishes wrote (their tensors may have changed in place since)."""
         self._written.clear()
-        # One lock and slot per version ever written would grow with every step: keep those in use.
+        # One lock per version ever written would grow with every step: keep those in use.
         self._locks = {key: lock for key, lock in self._locks.items() if lock.locked()}
-        busy = {id(job.slot) for job in self._abandoned if not job.ended.done()}
-        with self._slots_guard:
-            self._slots = {key: slot for key, slot in self._slots.items() if id(slot) in busy or slot.undo or slot.lock.locked()}
 
     def unsupported(self, caps: Capabilities) -> str | None:
         if not caps.lora or not caps.runtime_lora:
@@ -109,10 +107,26 @@ class DiskTransport(Transport):
 
     async def settle(self) -> None:
         """Wait for the writes cancelled publishes left running (at most
-        ``ABANDONED_WRITE_WAIT_S``); none of them leaves anything in the run."""
-        running = [asyncio.wrap_future(job.ended) for job in self._abandoned if not job.ended.done()]
+        ``ABANDONED_WRITE_WAIT_S``, once per write: one stuck past it is not waited for again);
+        none of them leaves anything in the run."""
+        running = self._to_wait()
         if running:
-            await asyncio.wait(running, timeout=ABANDONED_WRITE_WAIT_S)
+            await asyncio.wait([asyncio.wrap_future(f) for f in running], timeout=ABANDONED_WRITE_WAIT_S)
+        self._waited()
+
+    def settle_blocking(self) -> None:
+        """:meth:`settle` for a caller without an event loop (the publisher's sync ``close``)."""
+        running = self._to_wait()
+        if running:
+            concurrent.futures.wait(running, timeout=ABANDONED_WRITE_WAIT_S)
+        self._waited()
+
+    def _to_wait(self) -> list[concurrent.futures.Future[None]]:
+        return [job.ended for job in self._abandoned if not job.ended.done() and not job.waited]
+
+    def _waited(self) -> None:
+        for job in self._abandoned:
+            job.waited = True  # still running past the bound: its version's lock orders the rest
         self._abandoned = [job for job in self._abandoned if not job.ended.done()]
 
     async def _write_once(self, adapter: Adapter, name: str, version: int) -> _Written:
@@ -134,8 +148,14 @@ class DiskTransport(Transport):
             return done
 
     def _slot(self, name: str, version: int) -> _Slot:
-        with self._slots_guard:
-            return self._slots.setdefault((name, version), _Slot())
+        # One per version of the run in this process, whatever transport writes it: the function
+        # API makes a publisher (and transport) per call on one shared run.
+        key = (str(self.store.root), self.store.run, name, version)
+        with _SLOTS_GUARD:
+            slot = _SLOTS.get(key)
+            if slot is None:
+                slot = _SLOTS[key] = _Slot()
+            return slot
 
     def _write_job(self, job: _Job, adapter: Adapter, name: str, version: int) -> tuple[object, int, str] | None:
         """The write, in its thread, holding its version's slot (a write of the same version waits
@@ -185,6 +205,32 @@ class DiskTransport(Transport):
         elif not job.ended.done():
             self._abandoned.append(job)
 
+    @contextlib.asynccontextmanager
+    async def cancel_guard(self, name: str, version: int, *, recorded: Callable[[], bool]) -> AsyncIterator[None]:
+        """Around one publish of ``version``: cancelled after its write, while ``recorded()`` says
+        no engine recorded the version, the files it wrote go (:meth:`drop_cancelled`): a retry of
+        the version with the trainer's newer tensors would clash with them. An engine that loaded
+        it unrecorded unloads it at the next publish (its handle's ``cancelled``)."""
+        try:
+            yield
+        except asyncio.CancelledError:
+            if not recorded():
+                self.drop_cancelled(name, version)
+            raise
+
+    def drop_cancelled(self, name: str, version: int) -> None:
+        """The publish that wrote ``version`` (new) was cancelled before any engine recorded it:
+        its files go, by a thread, before any later write of the version reads the run."""
+        done = self._written.pop((name, version), None)
+        if done is None or not done.new:
+            return
+        slot = self._slot(name, version)
+        with slot.flags:
+            slot.undo = True
+        undo = _Job(slot, started=True)
+        self._abandoned.append(undo)
+        to_thread_pool(self._undo_job, undo, name, version)
+
     def _undo_job(self, job: _Job, name: str, version: int) -> None:
         try:
             with job.slot.lock:
@@ -218,14 +264,19 @@ class DiskTransport(Transport):
 
 
 class _Slot:
-    """One version of this transport: ``lock`` is held by a thread over a write or an undo of
-    it (never by the event loop); ``undo`` (under ``flags``): a cancelled publish's write put it
-    in place and nobody will read it, so it is removed before anything else touches it."""
+    """One version of a run in this process: ``lock`` is held by a thread over a write or an undo
+    of it (never by the event loop); ``undo`` (under ``flags``): a cancelled publish's write put it
+    in place and nobody will read it, so it is removed before anything else touches it. Kept alive
+    by the jobs that use it (a weak registry: no entry per version ever written)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.flags = threading.Lock()
         self.undo = False
+
+
+_SLOTS: weakref.WeakValueDictionary[tuple[str, str, str, int], _Slot] = weakref.WeakValueDictionary()
+_SLOTS_GUARD = threading.Lock()
 
 
 class _Job:
@@ -239,6 +290,7 @@ class _Job:
         self.started = started
         self.result: tuple[object, int, str] | None = None
         self.ended: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self.waited = False  # a settle already gave it its bounded wait
 
 
 @dataclass

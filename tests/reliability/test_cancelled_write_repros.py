@@ -14,6 +14,19 @@ bug it was written for:
 * ``fleet_retire_after_cancelled_round``: a Fleet retirement removed the run while a cancelled
   round's write went on, which made the run's folder again;
 * ``enospc_abandoned``: an abandoned write that fails on a full disk leaves nothing.
+
+And from the second attack (on the redesign):
+
+* ``sync_close_skips_settle``, ``sync_close_exit_leaves_tmp``: a sync ``close()`` after
+  ``asyncio.run(...apublish...)`` did not wait for the cancelled write, which died at exit and
+  left its temp folder;
+* ``function_api_retry_adopts_then_removed``: the function API's throwaway publishers shared the
+  run but not the version's lock, so a retry adopted a version the cancelled call then removed;
+* ``stuck_write_taxes_every_publish``: one write stuck past the bound cost every later publish
+  and close the whole bound again;
+* ``retry_new_content_after_cancel_in_load``, ``retry_new_content_after_cancel_unchanged``: a
+  publish cancelled after its write (during the load, or the "unchanged" re-list) left the
+  version's files, and the retry with the trainer's newer tensors failed as "immutable".
 """
 
 from __future__ import annotations
@@ -38,6 +51,12 @@ CASES = [
     ("head_kept_stale_version", {"MODE": "cancelagain"}),
     ("fleet_retire_after_cancelled_round", {}),
     ("enospc_abandoned", {}),
+    ("sync_close_skips_settle", {}),
+    ("sync_close_exit_leaves_tmp", {}),
+    ("function_api_retry_adopts_then_removed", {}),
+    ("stuck_write_taxes_every_publish", {}),
+    ("retry_new_content_after_cancel_in_load", {}),
+    ("retry_new_content_after_cancel_unchanged", {}),
 ]
 
 
