@@ -197,11 +197,7 @@ class DiskTransport(Transport):
             if not job.started and not job.ended.done():
                 job.ended.set_result(None)  # the pool may drop a call cancelled before it ran
         if lost is not None and lost[1]:
-            with job.slot.flags:
-                job.slot.undo = True
-            undo = _Job(job.slot, started=True)
-            self._abandoned.append(undo)
-            to_thread_pool(self._undo_job, undo, name, version)
+            self._schedule_undo(job.slot, name, version)
         elif not job.ended.done():
             self._abandoned.append(job)
 
@@ -224,7 +220,11 @@ class DiskTransport(Transport):
         done = self._written.pop((name, version), None)
         if done is None or not done.new:
             return
-        slot = self._slot(name, version)
+        self._schedule_undo(self._slot(name, version), name, version)
+
+    def _schedule_undo(self, slot: _Slot, name: str, version: int) -> None:
+        """Mark the version for removal and start a thread that removes it (the next write of
+        the version does it first if that comes sooner); settles wait for it."""
         with slot.flags:
             slot.undo = True
         undo = _Job(slot, started=True)
