@@ -17,6 +17,10 @@ export LORASYNC_SGLANG_PYTHON
 # a failed build shows up as failing peer tests (LORASYNC_REQUIRE_MEGATRON=1 in CI).
 LORASYNC_MEGATRON_PYTHON="$(bash scripts/megatron-venv.sh | tail -n 1)" || LORASYNC_MEGATRON_PYTHON=""
 export LORASYNC_MEGATRON_PYTHON
+# AIBrix's runtime sidecar (pip aibrix, ~210 MB, no torch) in front of the vLLM CPU server, for the
+# AIBrix engine's tests; a failed build shows up as failing AIBrix tests (LORASYNC_REQUIRE_AIBRIX=1 in CI).
+LORASYNC_AIBRIX_PYTHON="$(bash scripts/aibrix-venv.sh | tail -n 1)" || LORASYNC_AIBRIX_PYTHON=""
+export LORASYNC_AIBRIX_PYTHON
 set +e
 # Two workers (pytest-xdist): most of the suite's time is vLLM starting, which keeps one core busy;
 # tests/conftest.py keeps each file on one worker and the Ray files together.

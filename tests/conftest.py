@@ -67,6 +67,13 @@ def megatron_python() -> Path:
 
 
 @pytest.fixture(scope="session")
+def aibrix_python() -> Path:
+    """The AIBrix runtime venv's python (``scripts/aibrix-venv.sh``); skips (or fails with
+    LORASYNC_REQUIRE_AIBRIX=1) when it is missing or half-built."""
+    return ready_engine_python("aibrix", "LORASYNC_REQUIRE_AIBRIX")
+
+
+@pytest.fixture(scope="session")
 def vllm_server(vllm_python: Path, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     """One real vLLM CPU server for the whole run, on the tiny model, served as ``tiny-base``:
     LoRA on (max rank 16, 4 slots), runtime updating on, dev mode on, lorasync's worker

@@ -178,6 +178,7 @@ BUILTIN_ENGINES = {
     "vllm-inprocess": "lorasync.engines.vllm.inprocess:VLLMInProcessEngine",
     "vllm-pull": "lorasync.engines.vllm.pull:VLLMPullEngine",
     "vllm-router": "lorasync.engines.vllm.router:VLLMRouter",
+    "aibrix": "lorasync.engines.aibrix:AIBrixEngine",
     "sglang": "lorasync.engines.sglang:SGLangEngine",
     "peft": "lorasync.engines.peft:PeftEngine",
     "ray": "lorasync.engines.ray_actor:RayEngine",

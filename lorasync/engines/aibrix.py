@@ -1,0 +1,396 @@
+"""A vLLM server managed by AIBrix: adapters load and unload through AIBrix's runtime sidecar
+(engine kind ``aibrix``).
+
+AIBrix (pip ``aibrix``, its ``aibrix_runtime`` process) runs beside vLLM in each pod and is how
+its control plane (``ModelAdapter``) loads LoRA adapters: ``POST /v1/lora_adapter/load`` with
+``{"lora_name", "lora_path"}`` and ``POST /v1/lora_adapter/unload``, forwarded to vLLM's runtime
+routes. Requests go to vLLM (or AIBrix's gateway) as usual. Facts of aibrix 0.8.0, read from its
+source and run against a vLLM CPU 0.32 server (``tests/engines/test_aibrix.py``):
+
+* The sidecar refuses names outside ``[A-Za-z0-9_-]`` (at most 100 characters). lorasync serves
+  ``name@vN``, so through AIBrix each version is served as :func:`request_name` of it, an
+  injective spelling in that alphabet (``policy@v3`` → ``policy_v3``; ``_`` is written ``__`` and
+  ``.`` ``_d``). Reports, leases and listings keep lorasync's names; requests name the adapter
+  ``request_name(report.served_name)``. A plain name that reads as such a spelling is refused,
+  so no two names share one.
+* Its unload answers 200 ``success`` even where vLLM answered 404 (it logs the engine's error and
+  goes on), and a body of only ``lora_name`` is taken as its "unload with local cleanup" form. So
+  lorasync asks with ``cleanup_local: false`` (nothing of lorasync's is its to delete) and
+  believes vLLM's model list, before and after, instead of the answer.
+* A load answers vLLM's own status with vLLM's message inside its own; 404 when the path is
+  missing. It has no tensor route (``load_inplace`` and other fields are refused), so adapters
+  travel as files: the disk transport.
+* Its ``/v1/models`` is vLLM's, proxied: lorasync checks there that the sidecar drives the server
+  it was given, and refuses one that drives another.
+
+Everything else (capabilities, listings, ``/metrics`` in-flight readings, verification requests)
+is the :class:`~lorasync.engines.vllm.VLLMEngine` client's, on the vLLM server's URL.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Generator, Mapping, Sequence
+from typing import Any, TypeVar
+from urllib.parse import urlsplit, urlunsplit
+
+import httpx
+
+from lorasync.adapter._names import parse_served_name, served_name
+from lorasync.engines._engine import Capabilities
+from lorasync.engines._http import Call, HTTPEngine, Operation, body_json, body_text
+from lorasync.engines.vllm._bodies import Completion
+from lorasync.engines.vllm._client import VLLMEngine
+from lorasync.engines.vllm._errors import dig, generic, load_error, message_of
+from lorasync.engines.vllm._protocol import MODELS_ROUTE
+from lorasync.engines.vllm import _releases
+from lorasync.errors import (
+    AdapterNotFoundError,
+    CapabilityError,
+    ConfigError,
+    EngineProtocolError,
+    InvalidNameError,
+)
+
+__all__ = ["AIBrixEngine", "request_name", "served_from_request"]
+
+T = TypeVar("T")
+
+SIDECAR_PORT = 8080  # aibrix_runtime's default --port
+SIDECAR_LOAD = "/v1/lora_adapter/load"
+SIDECAR_UNLOAD = "/v1/lora_adapter/unload"
+SIDECAR_READY = "/ready"
+MAX_REQUEST_NAME = 100  # aibrix.openapi.engine.vllm._validate_lora_request
+_ALPHABET = re.compile(r"[A-Za-z0-9_-]+")
+_ESCAPES = {"_": "__", ".": "_d"}
+_UNESCAPES = {"_": "_", "d": "."}
+# A name vLLM lists that lorasync would read as its own but that AIBrix cannot have loaded (it
+# refuses '@'): loaded around the sidecar. Listed with this mark so it stays foreign.
+UNMANAGED_MARK = "#loaded-around-aibrix"
+
+
+def request_name(name: str) -> str:
+    """The name AIBrix and vLLM serve ``name`` under: lorasync's ``name@vN`` spelled in AIBrix's
+    alphabet (``policy@v3`` → ``policy_v3``, ``my_run.a@v12`` → ``my__run_da_v12``); any other
+    name as it is, if AIBrix takes it.
+
+    Raises:
+        InvalidNameError: the name cannot pass AIBrix's rule (``[A-Za-z0-9_-]``, at most 100
+            characters), or a plain name reads as another name's spelling.
+    """
+    parsed = parse_served_name(name)
+    if parsed is not None:
+        base, version = parsed
+        wire = "".join(_ESCAPES.get(c, c) for c in base) + f"_v{version}"
+    else:
+        if not isinstance(name, str) or not _ALPHABET.fullmatch(name):
+            raise InvalidNameError(
+                f"adapter name {name!r} cannot load through AIBrix, whose sidecar takes only letters, digits, '-' and '_'"
+            )
+        if served_from_request(name) != name:
+            raise InvalidNameError(
+                f"adapter name {name!r} is how lorasync spells {served_from_request(name)!r} for AIBrix; choose another name"
+            )
+        wire = name
+    if len(wire) > MAX_REQUEST_NAME:
+        raise InvalidNameError(
+            f"adapter name {name!r} is {len(wire)} characters as AIBrix serves it ({wire[:40]}...); AIBrix takes at most "
+            f"{MAX_REQUEST_NAME}: use a shorter publisher name"
+        )
+    return wire
+
+
+def served_from_request(wire: str) -> str:
+    """The inverse of :func:`request_name` for a name vLLM lists: lorasync's ``name@vN`` where
+    ``wire`` is its spelling, else ``wire`` itself (a name lorasync reads as its own but AIBrix
+    cannot have loaded comes back marked, so it stays foreign)."""
+    decoded = _decode(wire)
+    if decoded is not None:
+        return decoded
+    if parse_served_name(wire) is not None:
+        return wire + UNMANAGED_MARK
+    return wire
+
+
+def _decode(wire: str) -> str | None:
+    out: list[str] = []
+    i = 0
+    while i < len(wire):
+        c = wire[i]
+        if c != "_":
+            out.append(c)
+            i += 1
+            continue
+        nxt = wire[i + 1 : i + 2]
+        if nxt == "v":
+            digits = wire[i + 2 :]
+            if not digits.isascii() or not digits.isdigit() or str(int(digits)) != digits:
+                return None
+            try:
+                served = served_name("".join(out), int(digits))
+            except InvalidNameError:
+                return None
+            return served if parse_served_name(served) is not None else None
+        if nxt not in _UNESCAPES:
+            return None
+        out.append(_UNESCAPES[nxt])
+        i += 2
+    return None
+
+
+def _default_sidecar(url: str) -> str:
+    parts = urlsplit(url)
+    host = parts.hostname or "127.0.0.1"
+    host = f"[{host}]" if ":" in host else host
+    return urlunsplit((parts.scheme or "http", f"{host}:{SIDECAR_PORT}", "", "", ""))
+
+
+class _Sidecar(HTTPEngine):
+    """The sidecar's HTTP client: one request at a time, its answer handed back unread."""
+
+    kind = "aibrix-sidecar"
+
+    def _ask(self, method: str, path: str, body: Any = None, *, retry: bool = True) -> Operation[httpx.Response]:
+        return (yield Call(method, path, json=body, retry=retry))
+
+
+# A step of an AIBrix operation: which client runs which operation; the answer is sent back.
+Step = Generator[tuple[HTTPEngine, Operation[Any]], Any, T]
+
+
+class AIBrixEngine(VLLMEngine):
+    """A vLLM server whose adapters load and unload through AIBrix's runtime sidecar.
+
+    Args:
+        url (`str`, defaults to ``"http://127.0.0.1:8000"``): the vLLM server (listings,
+            capabilities, ``/metrics``, verification requests).
+        sidecar (`str`, *optional*): the ``aibrix_runtime`` URL; default the server's host on
+            port 8080 (AIBrix's default). The API key (``api_key`` / ``api_key_env``) goes there
+            too: the sidecar forwards it to vLLM.
+        **options: :class:`~lorasync.engines.vllm.VLLMEngine` options (``api_key``,
+            ``api_key_env``, ``timeout``, ``retries``, ``max_rank``, ``max_loras``, ``same_host``).
+
+    Requests select a version with ``model=request_name(report.served_name)``.
+
+    Example:
+        >>> pub = Publisher(["aibrix:http://pod:8000"], name="policy")  # doctest: +SKIP
+        >>> report = pub.publish(adapter, version=3)  # doctest: +SKIP
+        >>> request_name(report.served_name)  # doctest: +SKIP
+        'policy_v3'
+    """
+
+    kind = "aibrix"
+
+    def __init__(self, url: str = "http://127.0.0.1:8000", *, sidecar: str | None = None, **options: Any) -> None:
+        super().__init__(url, **options)
+        if sidecar is not None and not isinstance(sidecar, str):
+            raise ConfigError(f"sidecar must be the AIBrix runtime's URL (http://host:8080), got {type(sidecar).__name__}")
+        self._sidecar = _Sidecar(
+            sidecar or _default_sidecar(self.url),
+            api_key=options.get("api_key"),
+            api_key_env=options.get("api_key_env"),
+            timeout=self.timeout,
+            retries=self.retry,
+        )
+
+    @property
+    def sidecar_url(self) -> str:
+        """The AIBrix runtime sidecar this engine loads through."""
+        return self._sidecar.url
+
+    def close(self) -> None:
+        try:
+            self._sidecar.close()
+        finally:
+            super().close()
+
+    async def aclose(self) -> None:
+        try:
+            await self._sidecar.aclose()
+        finally:
+            await super().aclose()
+
+    # -- the operations that go through the sidecar, or name adapters -------------------------------
+
+    def capabilities(self) -> Capabilities:
+        """vLLM's capabilities as the sidecar allows them: files only (no tensor loads, in-place
+        swaps or merged updates through AIBrix).
+
+        Raises:
+            ConfigError: the sidecar drives another vLLM server. EngineUnavailableError: it or the
+                server does not answer. The rest as :meth:`VLLMEngine.capabilities`.
+        """
+        return self._drive(self._aibrix_capabilities())
+
+    async def acapabilities(self) -> Capabilities:
+        return await self._adrive(self._aibrix_capabilities())
+
+    def load_adapter(self, name: str, path: str | os.PathLike[str], *, load_inplace: bool = False) -> None:
+        """Load the adapter directory ``path`` under ``name`` through the sidecar (served as
+        :func:`request_name` of it).
+
+        Raises:
+            InvalidNameError: a name AIBrix cannot take. ConfigError: ``load_inplace`` (the
+                sidecar has no such field). The rest as :meth:`VLLMEngine.load_adapter`.
+        """
+        self._drive(self._aibrix_load(name, path, load_inplace), adapter=name)
+
+    async def aload_adapter(self, name: str, path: str | os.PathLike[str], *, load_inplace: bool = False) -> None:
+        await self._adrive(self._aibrix_load(name, path, load_inplace), adapter=name)
+
+    def unload_adapter(self, name: str) -> None:
+        """Stop serving ``name`` through the sidecar; vLLM's model list says whether it did.
+
+        Raises:
+            AdapterNotFoundError: vLLM does not list it. EngineProtocolError: still listed after
+                the sidecar's "success". The rest as :meth:`VLLMEngine.unload_adapter`.
+        """
+        self._drive(self._aibrix_unload(name), adapter=name)
+
+    async def aunload_adapter(self, name: str) -> None:
+        await self._adrive(self._aibrix_unload(name), adapter=name)
+
+    def _load(self, name: str, path: str | os.PathLike[str], load_inplace: bool) -> Operation[None]:
+        raise CapabilityError(f"{self.kind} at {self.url}: loads go through the AIBrix sidecar (load_adapter)")
+
+    def _load_tensors(self, name: str, adapter: Any) -> Operation[None]:
+        raise CapabilityError(
+            f"{self.kind} at {self.url}: AIBrix's sidecar loads adapters from files only; publish with transport='disk' "
+            "(the default picks it)"
+        )
+        yield  # pragma: no cover - makes this an operation
+
+    def _update_weights(self, named_tensors: Mapping[str, Any]) -> Operation[None]:
+        raise CapabilityError(f"{self.kind} at {self.url}: merged weight updates do not go through AIBrix")
+        yield  # pragma: no cover
+
+    def _roots(self) -> Operation[dict[str, str | None]]:
+        roots = yield from super()._roots()
+        return {served_from_request(wire): root for wire, root in roots.items()}
+
+    def _in_use(self) -> Operation[frozenset[str] | None]:
+        names = yield from super()._in_use()
+        return None if names is None else frozenset(served_from_request(n) for n in names)
+
+    def _generate(self, prompt: Sequence[int], model: str, max_tokens: int, logprobs: int | None, ignore_eos: bool) -> Operation[Completion]:
+        wire = request_name(model) if parse_served_name(model) is not None else model
+        return (yield from super()._generate(prompt, wire, max_tokens, logprobs, ignore_eos))
+
+    # -- steps (each runs one operation on one client) ------------------------------------------
+
+    def _aibrix_capabilities(self) -> Step[Capabilities]:
+        caps = yield self, super()._capabilities()
+        ready = yield self._sidecar, self._sidecar._ask("GET", SIDECAR_READY)
+        if ready.status_code != 200:
+            raise generic(self._sidecar, ready, SIDECAR_READY, None, message_of(ready), "the readiness check")
+        # Its /v1/models is the server's it drives: the base models and their roots must be ours.
+        theirs = yield self._sidecar, self._sidecar._ask("GET", MODELS_ROUTE)
+        ours = yield self, self._ask_models()
+        if _bases(theirs) != _bases(ours):
+            raise ConfigError(
+                f"the AIBrix sidecar at {self._sidecar.url} drives a vLLM serving {sorted(_bases(theirs))}, not the server at "
+                f"{self.url} ({sorted(_bases(ours))}); give the sidecar of that server (sidecar=...)"
+            )
+        return dataclasses.replace(
+            caps,
+            engine=self.kind,
+            tensor_load=False,
+            device_tensors=False,
+            weight_update=False,
+            load_inplace=False,
+            notes=(*caps.notes, f"adapters load through the AIBrix sidecar at {self._sidecar.url}, from files; requests name "
+                   "them request_name(served_name)"),
+        )
+
+    def _ask_models(self) -> Operation[httpx.Response]:
+        return (yield Call("GET", MODELS_ROUTE))
+
+    def _aibrix_load(self, name: str, path: str | os.PathLike[str], load_inplace: bool) -> Step[None]:
+        if not name:
+            raise ConfigError("adapter name must be a non-empty string")
+        if load_inplace:
+            raise ConfigError("AIBrix's sidecar has no in-place load; publish versioned names (the default)")
+        wire = request_name(name)
+        lora_path = os.path.abspath(os.fspath(path))
+        self.refuse_extra_weights(name, lora_path, SIDECAR_LOAD)
+        if name in self._unloaded:  # vLLM before 0.34 would take the new LoRA id for the old one's
+            yield self, _releases.refuse_name_in_use(name, kind=self.kind, url=self.url, in_use=self._in_use)
+        response = yield self._sidecar, self._sidecar._ask("POST", SIDECAR_LOAD, {"lora_name": wire, "lora_path": lora_path})
+        if response.status_code == 200 and body_text(response).startswith("Success"):
+            self._unloaded.discard(name)
+            return
+        message = message_of(response)
+        retried = response.extensions.get("lorasync_attempts", 1) > 1
+        if response.status_code == 200 or ("has already been loaded" in message and retried):
+            # Not its success text, or a retried request whose first attempt landed: vLLM's list says.
+            roots = yield self, super()._roots()
+            if roots.get(wire, "") in (None, lora_path):
+                self._unloaded.discard(name)
+                return
+            if response.status_code == 200:
+                raise EngineProtocolError(
+                    f"{self.kind}: the sidecar at {self._sidecar.url} answered the load of {name!r} with HTTP 200 but "
+                    f"{body_text(response)[:200]!r}, and vLLM at {self.url} does not list it; the adapter is not served",
+                    **self._sidecar.error_context(SIDECAR_LOAD, name, response),
+                )
+        if response.status_code == 404 and "not found" in message and "has already" not in message:
+            raise AdapterNotFoundError(
+                f"the AIBrix sidecar at {self._sidecar.url} found no adapter at {lora_path} ({message}); the directory must "
+                "exist on the server's host and hold adapter_config.json and adapter_model.safetensors",
+                path=lora_path,
+                **self._sidecar.error_context(SIDECAR_LOAD, name, response),
+            )
+        raise load_error(self._sidecar, response, name, lora_path, message)
+
+    def _aibrix_unload(self, name: str) -> Step[None]:
+        if not name:
+            raise ConfigError("adapter name must be a non-empty string")
+        wire = request_name(name)
+        before = yield self, super()._roots()
+        if wire not in before:
+            raise AdapterNotFoundError(
+                f"{self.kind} at {self.url} does not serve adapter {name!r} (as {wire!r}); list_adapters() shows what it serves",
+                engine=self.kind,
+                url=f"{self.url}{MODELS_ROUTE}",
+                adapter=name,
+            )
+        response = yield self._sidecar, self._sidecar._ask("POST", SIDECAR_UNLOAD, {"lora_name": wire, "cleanup_local": False})
+        if response.status_code != 200:
+            raise generic(self._sidecar, response, SIDECAR_UNLOAD, name, message_of(response), f"unload of adapter {name!r}")
+        after = yield self, super()._roots()
+        if wire in after:
+            raise EngineProtocolError(
+                f"{self.kind}: the sidecar at {self._sidecar.url} answered the unload of {name!r} with "
+                f"{body_text(response)[:200]!r}, and vLLM at {self.url} still lists it (the sidecar answers success "
+                "whatever vLLM said; its log has vLLM's answer); call unload_adapter again",
+                **self._sidecar.error_context(SIDECAR_UNLOAD, name, response),
+            )
+        self._unloaded.add(name)
+
+    # -- drivers: each step's operation on its client, sync or async -----------------------------
+
+    def _drive(self, step: Step[T], *, adapter: str | None = None) -> T:
+        answer: Any = None
+        try:
+            while True:
+                client, op = step.send(answer)
+                answer = client._run(op, adapter=adapter)
+        except StopIteration as stop:
+            return stop.value
+
+    async def _adrive(self, step: Step[T], *, adapter: str | None = None) -> T:
+        answer: Any = None
+        try:
+            while True:
+                client, op = step.send(answer)
+                answer = await client._arun(op, adapter=adapter)
+        except StopIteration as stop:
+            return stop.value
+
+
+def _bases(response: httpx.Response) -> set[tuple[Any, Any]]:
+    """(id, root) of the base models (cards without a parent) of a ``/v1/models`` answer."""
+    cards = dig(body_json(response), "data") if response.status_code == 200 else None
+    return {(c.get("id"), c.get("root")) for c in cards or [] if isinstance(c, dict) and not c.get("parent")}

@@ -1,0 +1,153 @@
+"""Start and stop AIBrix's runtime sidecar (``aibrix_runtime``, pip ``aibrix``) in front of a vLLM
+server, for tests, demos and benchmarks.
+
+The sidecar runs from its own venv (``scripts/aibrix-venv.sh``; its pins differ from lorasync's),
+in its own process group, on a port it is shown to hold (``_ports.group_listens``) before it
+counts as started, and is ready once ``/ready`` answers 200. It is given a private metrics folder:
+it empties ``PROMETHEUS_MULTIPROC_DIR`` at start, which defaults to a folder every sidecar on the
+host shares.
+
+Example:
+    >>> with AIBrixSidecar(vllm.url, python=aibrix_python) as sidecar:  # doctest: +SKIP
+    ...     pub = Publisher([AIBrixEngine(vllm.url, sidecar=sidecar.url)], name="policy")
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from lorasync.errors import EngineTimeoutError, EngineUnavailableError
+from lorasync.testing._ports import group_listens
+from lorasync.testing.venvs import engine_venv
+from lorasync.testing.vllm_server import free_port
+
+__all__ = ["AIBrixSidecar"]
+
+
+class AIBrixSidecar:
+    """One ``aibrix_runtime`` process driving the vLLM server at ``engine_url``.
+
+    Args:
+        engine_url (`str`): the vLLM server (``INFERENCE_ENGINE_ENDPOINT``).
+        python (`str | os.PathLike`, *optional*): the AIBrix venv's python; default the one
+            :func:`lorasync.testing.venvs.engine_venv` finds (``LORASYNC_AIBRIX_PYTHON``).
+        api_key (`str`, *optional*): vLLM's key (``INFERENCE_ENGINE_API_KEY``).
+        port (`int`, *optional*): default a free one, picked at each start.
+        log_path: where its output goes (default a temporary file).
+        startup_timeout (`float`): seconds to wait for ``/ready``.
+    """
+
+    def __init__(
+        self,
+        engine_url: str,
+        *,
+        python: str | os.PathLike[str] | None = None,
+        api_key: str | None = None,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        log_path: str | os.PathLike[str] | None = None,
+        startup_timeout: float = 60.0,
+    ) -> None:
+        self.engine_url = engine_url.rstrip("/")
+        self.python = Path(python) if python is not None else engine_venv("aibrix").require()
+        self.api_key = api_key
+        self.host = host
+        self._given_port = port
+        self.port = port or free_port(host)
+        self.log_path = Path(log_path) if log_path is not None else None
+        self.startup_timeout = startup_timeout
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log: Any = None
+        self._metrics: str | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def command(self) -> list[str]:
+        return [str(self.python), "-m", "aibrix.app", "--host", self.host, "--port", str(self.port)]
+
+    def start(self) -> AIBrixSidecar:
+        """Start the sidecar; returns once it holds its port and answers ``/ready``.
+
+        Raises:
+            EngineUnavailableError: it exited (its log says why). EngineTimeoutError: not ready in time.
+        """
+        if self._proc is not None:
+            return self
+        if self.log_path is None:
+            fd, name = tempfile.mkstemp(prefix="aibrix-sidecar-", suffix=".log")
+            os.close(fd)
+            self.log_path = Path(name)
+        self.port = self._given_port or free_port(self.host)
+        self._metrics = tempfile.mkdtemp(prefix="aibrix-metrics-")
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "INFERENCE_ENGINE_API_KEY")}
+        env.update(INFERENCE_ENGINE="vllm", INFERENCE_ENGINE_ENDPOINT=self.engine_url, PROMETHEUS_MULTIPROC_DIR=self._metrics)
+        if self.api_key is not None:
+            env["INFERENCE_ENGINE_API_KEY"] = self.api_key
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self._proc = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        deadline = time.monotonic() + self.startup_timeout
+        try:
+            with httpx.Client(timeout=2.0) as client:
+                while True:
+                    if self._proc.poll() is not None:
+                        raise EngineUnavailableError(f"aibrix_runtime exited during startup ({self._proc.returncode}); its log: {self.log_tail()}")
+                    if group_listens(self._proc.pid, self.port) is not False:
+                        try:
+                            if client.get(f"{self.url}/ready").status_code == 200:
+                                return self
+                        except httpx.HTTPError:
+                            pass
+                    if time.monotonic() > deadline:
+                        raise EngineTimeoutError(f"aibrix_runtime at {self.url} was not ready within {self.startup_timeout:.0f} s; its log: {self.log_tail()}")
+                    time.sleep(0.1)
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop its process group (SIGTERM, then SIGKILL). Idempotent."""
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(timeout)
+            except ProcessLookupError:
+                pass
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10.0)
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        if self._metrics is not None:
+            shutil.rmtree(self._metrics, ignore_errors=True)
+            self._metrics = None
+
+    def log_text(self) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        return self.log_path.read_text(errors="replace")
+
+    def log_tail(self, lines: int = 30) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:])
+
+    def __enter__(self) -> AIBrixSidecar:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
