@@ -106,6 +106,8 @@ def served_from_request(wire: str) -> str:
     """The inverse of :func:`request_name` for a name vLLM lists: lorasync's ``name@vN`` where
     ``wire`` is its spelling, else ``wire`` itself (a name lorasync reads as its own but AIBrix
     cannot have loaded comes back marked, so it stays foreign)."""
+    if not isinstance(wire, str):  # engines may list odd values: foreign, as they are
+        return wire
     decoded = _decode(wire)
     if decoded is not None:
         return decoded

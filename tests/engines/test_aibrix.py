@@ -82,6 +82,7 @@ def test_names_aibrix_cannot_take_are_typed_errors() -> None:
         request_name(served_name("a" + "_" * 59, 1))  # 121 characters as AIBrix serves it
     # A name vLLM lists that lorasync would read as its own, but that AIBrix cannot have loaded.
     assert parse_served_name(served_from_request("x@v3")) is None
+    assert served_from_request(7) == 7  # an odd value an engine lists stays foreign, as it is  # type: ignore[arg-type]
 
 
 # -- the real sidecar -------------------------------------------------------------------------------
