@@ -172,6 +172,8 @@ def _one_rank(h: Any, r: int, base_model: Any, engine: Any, raw: Any, tmp: Path,
                 synced = time.perf_counter()
                 completion = engine.generate(prompt, model=served, max_tokens=1, logprobs=None)
                 done = time.perf_counter()
+                if way in pubs and i >= warmup:
+                    stages.update(_worker_times(raw, served))  # after the clock: the engine's own account
                 if i >= warmup:
                     s = samples[way]
                     s["sync"].append(synced - start)
@@ -192,6 +194,15 @@ def _one_rank(h: Any, r: int, base_model: Any, engine: Any, raw: Any, tmp: Path,
     model.unload() if hasattr(model, "unload") else None
     med = {w: statistics.median(samples[w]["total"]) for w in WAYS}
     return {"adapter_bytes": adapter_bytes, "samples": samples, "median_total_s": med, "transports": {k: sorted(v) for k, v in transports.items()}}
+
+
+def _worker_times(raw: Any, served: str) -> dict[str, float]:
+    """Where the engine spent the load of ``served`` (lorasync's worker: the stage file read and the
+    tensors mapped, then vLLM's ``LoRAModel`` built), seconds; nothing for a load from files."""
+    answer = raw.post("/collective_rpc", json={"method": "lorasync_load_timings", "args": []})
+    results = answer.json().get("results") if answer.status_code == 200 else None
+    mine = [t for t in results[0] if t.get("name") == served] if isinstance(results, list) and results and isinstance(results[0], list) else []
+    return {"worker_stage": mine[-1]["stage_s"], "worker_build": mine[-1]["build_s"]} if mine else {}
 
 
 def _next_adapter(model: Any) -> Any:
@@ -318,6 +329,12 @@ def table(results: dict[str, Any]) -> str:
                     f"{total / med['peer']:.2f} | {_ms(total - med['floor'])} | {sum(s['served_new'])}/{len(s['served_new'])} |"
                 )
             lines.append("")
+            for way in ("lorasync", "lorasync-ipc"):
+                stages = data["samples"][way].get("stages") or []
+                keys = sorted({k for st in stages for k in st})
+                if keys:
+                    parts = [f"{k} {_ms(statistics.median([st[k] for st in stages if k in st]))}" for k in keys]
+                    lines += [f"{way}, the sync call by stage (median ms; worker_*: inside the engine): " + ", ".join(parts), ""]
         merged = res.get("merged")
         if merged:
             lines += [

@@ -65,6 +65,10 @@ def test_http_ipc_adapters_rebuilt_after_eviction_serve_peft_tokens(vllm_server:
             # Every activation of a staged adapter (each one a rebuild here) went through
             # lorasync's slot write into vLLM's stacked buffers, and served PEFT's tokens.
             assert slot_writes() - before >= len(names)
+            # Each build from staged tensors says where its time went (the GPU benchmark's breakdown).
+            answer = httpx.post(f"{vllm_server.url}/collective_rpc", json={"method": "lorasync_load_timings", "args": []}, timeout=60)
+            timed = [t for t in answer.json()["results"][0] if t["name"] in names]
+            assert {t["name"] for t in timed} == set(names) and all(t["stage_s"] >= 0 and t["build_s"] > 0 for t in timed), timed
         finally:
             for name in names:
                 if name in engine.list_adapters():

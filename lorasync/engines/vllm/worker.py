@@ -39,8 +39,10 @@ releases (0.26 on the H200, 0.32 on CPU) are in ``_lora_compat``.
 
 from __future__ import annotations
 
+import collections
 import json
 import threading
+import time
 import types
 from typing import Any
 
@@ -61,6 +63,8 @@ _STAGED: dict[str, tuple[dict[str, torch.Tensor], dict[str, Any]]] = {}
 # request of this worker names them.
 _RELEASED: dict[str, tuple[dict[str, torch.Tensor], dict[str, Any]]] = {}
 _LOCK = threading.Lock()
+# Where the last loads of staged adapters spent their time (the GPU benchmark reads it).
+_LOAD_TIMES: collections.deque[dict[str, Any]] = collections.deque(maxlen=64)
 
 
 class LoraSyncWorkerExtension:
@@ -117,6 +121,11 @@ class LoraSyncWorkerExtension:
         device = _stage_device(self, False)
         copies = {k: t.detach().to(device=device, copy=True) for k, t in tensors.items()}
         return _stage(self, token, copies, {CONFIG_KEY: config_json})
+
+    def lorasync_load_timings(self) -> list[dict[str, Any]]:
+        """This worker's last loads of staged adapters, oldest first: ``{"name", "stage_s", "build_s"}``
+        (the stage file read, the tensors mapped or copied; then vLLM's ``LoRAModel`` built, checked)."""
+        return list(_LOAD_TIMES)
 
     def lorasync_slot_writes(self) -> int:
         """How many adapter activations this worker did with lorasync's slot write."""
@@ -226,8 +235,12 @@ def _install_loader(worker: Any) -> None:
         if not path.startswith(IPC_PREFIX):
             return original(lora_request)
         token = path[len(IPC_PREFIX) :]
+        start = time.perf_counter()
         _stage_from_file(worker, token)
-        return _load_staged(self, lora_request, token)
+        staged = time.perf_counter()
+        lora = _load_staged(self, lora_request, token)
+        _LOAD_TIMES.append({"name": lora_request.lora_name, "stage_s": staged - start, "build_s": time.perf_counter() - staged})
+        return lora
 
     manager._load_adapter = types.MethodType(_load_adapter, manager)
     install_slot_write(getattr(manager, "_adapter_manager", None))
