@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import tempfile
 import time
@@ -26,6 +25,7 @@ from typing import Any
 import httpx
 
 from lorasync.errors import EngineTimeoutError, EngineUnavailableError
+from lorasync.testing._group import GroupProcess
 from lorasync.testing._ports import group_listens
 from lorasync.testing.venvs import engine_venv
 from lorasync.testing.vllm_server import free_port
@@ -33,7 +33,7 @@ from lorasync.testing.vllm_server import free_port
 __all__ = ["AIBrixSidecar"]
 
 
-class AIBrixSidecar:
+class AIBrixSidecar(GroupProcess):
     """One ``aibrix_runtime`` process driving the vLLM server at ``engine_url``.
 
     Args:
@@ -72,10 +72,6 @@ class AIBrixSidecar:
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
-
-    @property
-    def pid(self) -> int | None:
-        return self._proc.pid if self._proc is not None else None
 
     def command(self) -> list[str]:
         return [str(self.python), "-m", "aibrix.app", "--host", self.host, "--port", str(self.port)]
@@ -119,35 +115,7 @@ class AIBrixSidecar:
             self.stop()
             raise
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Stop its process group (SIGTERM, then SIGKILL). Idempotent."""
-        proc, self._proc = self._proc, None
-        if proc is not None:
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-                proc.wait(timeout)
-            except ProcessLookupError:
-                pass
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10.0)
-        if self._log is not None:
-            self._log.close()
-            self._log = None
+    def _stopped(self) -> None:
         if self._metrics is not None:
             shutil.rmtree(self._metrics, ignore_errors=True)
             self._metrics = None
-
-    def log_text(self) -> str:
-        if self.log_path is None or not self.log_path.exists():
-            return ""
-        return self.log_path.read_text(errors="replace")
-
-    def log_tail(self, lines: int = 30) -> str:
-        return "\n".join(self.log_text().splitlines()[-lines:])
-
-    def __enter__(self) -> AIBrixSidecar:
-        return self.start()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()

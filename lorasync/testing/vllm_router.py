@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -26,6 +25,7 @@ from typing import Any
 import httpx
 
 from lorasync.errors import ConfigError, EngineTimeoutError, EngineUnavailableError
+from lorasync.testing._group import GroupProcess
 from lorasync.testing._ports import group_listens
 from lorasync.testing.vllm_server import free_port
 
@@ -45,7 +45,7 @@ def router_binary() -> str:
     return found
 
 
-class VLLMRouterProcess:
+class VLLMRouterProcess(GroupProcess):
     """One ``vllm-router`` process.
 
     Args:
@@ -138,30 +138,3 @@ class VLLMRouterProcess:
         except BaseException:
             self.stop()
             raise
-
-    def stop(self, timeout: float = 10.0) -> None:
-        """Stop its process group (SIGTERM, then SIGKILL). Idempotent."""
-        proc, self._proc = self._proc, None
-        if proc is not None:
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-                proc.wait(timeout)
-            except ProcessLookupError:
-                pass
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10.0)
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-
-    def log_tail(self, lines: int = 30) -> str:
-        if self.log_path is None or not self.log_path.exists():
-            return ""
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-
-    def __enter__(self) -> VLLMRouterProcess:
-        return self.start()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
