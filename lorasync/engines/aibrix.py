@@ -17,11 +17,19 @@ source and run against a vLLM CPU 0.32 server (``tests/engines/test_aibrix.py``)
   goes on), and a body of only ``lora_name`` is taken as its "unload with local cleanup" form. So
   lorasync asks with ``cleanup_local: false`` (nothing of lorasync's is its to delete) and
   believes vLLM's model list, before and after, instead of the answer.
-* A load answers vLLM's own status with vLLM's message inside its own; 404 when the path is
-  missing. It has no tensor route (``load_inplace`` and other fields are refused), so adapters
-  travel as files: the disk transport.
-* Its ``/v1/models`` is vLLM's, proxied: lorasync checks there that the sidecar drives the server
-  it was given, and refuses one that drives another.
+* A load answers vLLM's own status with vLLM's message inside its own, except that it turns
+  every 404 into "LoRA path ... not found" (vLLM's own route then says whether runtime loading is
+  off) and retries a 5xx, then answers its own text without vLLM's reason (a rank over the
+  server's maximum is still told apart, from ``adapter_config.json``). It also retries a load
+  that outlasts its 30 s read timeout, which then answers "already loaded": so lorasync lists
+  the server before each load (a name listed then is another load's) and after (the load counts
+  once the server lists it from this path). It has no tensor route (``load_inplace`` and other
+  fields are refused), so adapters travel as files: the disk transport.
+* Which server: its ``/v1/models`` is vLLM's, proxied, so lorasync refuses a sidecar whose base
+  models differ from the server's; a sidecar of a replica (the same base model) is caught at its
+  first load, which the server does not list (taken out there again, ``ConfigError``).
+* It asks no key and reaches vLLM with its own (``INFERENCE_ENGINE_API_KEY``): lorasync's key goes
+  to vLLM only, and a 401 it relays says to start the sidecar with that variable.
 
 Everything else (capabilities, listings, ``/metrics`` in-flight readings, verification requests)
 is the :class:`~lorasync.engines.vllm.VLLMEngine` client's, on the vLLM server's URL.
@@ -30,28 +38,31 @@ is the :class:`~lorasync.engines.vllm.VLLMEngine` client's, on the vLLM server's
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
-import re
 from collections.abc import Generator, Mapping, Sequence
 from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
-from lorasync.adapter._names import parse_served_name, served_name
+from lorasync.adapter._names import parse_served_name
+from lorasync.engines._aibrix_names import UNMANAGED_MARK, request_name, served_from_request
 from lorasync.engines._engine import Capabilities
 from lorasync.engines._http import Call, HTTPEngine, Operation, body_json, body_text
 from lorasync.engines.vllm._bodies import Completion
 from lorasync.engines.vllm._client import VLLMEngine
-from lorasync.engines.vllm._errors import dig, generic, load_error, message_of
-from lorasync.engines.vllm._protocol import MODELS_ROUTE
+from lorasync.engines.vllm._errors import dig, disabled, generic, load_error, message_of, route_missing
+from lorasync.engines.vllm._protocol import LOAD_ROUTE, MODELS_ROUTE
 from lorasync.engines.vllm import _releases
 from lorasync.errors import (
+    AdapterAlreadyLoadedError,
     AdapterNotFoundError,
+    AuthenticationError,
     CapabilityError,
     ConfigError,
     EngineProtocolError,
-    InvalidNameError,
+    RankTooLargeError,
 )
 
 __all__ = ["AIBrixEngine", "request_name", "served_from_request"]
@@ -62,86 +73,6 @@ SIDECAR_PORT = 8080  # aibrix_runtime's default --port
 SIDECAR_LOAD = "/v1/lora_adapter/load"
 SIDECAR_UNLOAD = "/v1/lora_adapter/unload"
 SIDECAR_READY = "/ready"
-MAX_REQUEST_NAME = 100  # aibrix.openapi.engine.vllm._validate_lora_request
-_ALPHABET = re.compile(r"[A-Za-z0-9_-]+")
-_ESCAPES = {"_": "__", ".": "_d"}
-_UNESCAPES = {"_": "_", "d": "."}
-# A name vLLM lists that lorasync would read as its own but that AIBrix cannot have loaded (it
-# refuses '@'): loaded around the sidecar. Listed with this mark so it stays foreign.
-UNMANAGED_MARK = "#loaded-around-aibrix"
-
-
-def request_name(name: str) -> str:
-    """The name AIBrix and vLLM serve ``name`` under: lorasync's ``name@vN`` spelled in AIBrix's
-    alphabet (``policy@v3`` → ``policy_v3``, ``my_run.a@v12`` → ``my__run_da_v12``); any other
-    name as it is, if AIBrix takes it.
-
-    Raises:
-        InvalidNameError: the name cannot pass AIBrix's rule (``[A-Za-z0-9_-]``, at most 100
-            characters), or a plain name reads as another name's spelling.
-    """
-    parsed = parse_served_name(name)
-    if parsed is not None:
-        base, version = parsed
-        wire = "".join(_ESCAPES.get(c, c) for c in base) + f"_v{version}"
-    else:
-        if not isinstance(name, str) or not _ALPHABET.fullmatch(name):
-            raise InvalidNameError(
-                f"adapter name {name!r} cannot load through AIBrix, whose sidecar takes only letters, digits, '-' and '_'"
-            )
-        if served_from_request(name) != name:
-            raise InvalidNameError(
-                f"adapter name {name!r} is how lorasync spells {served_from_request(name)!r} for AIBrix; choose another name"
-            )
-        wire = name
-    if len(wire) > MAX_REQUEST_NAME:
-        raise InvalidNameError(
-            f"adapter name {name!r} is {len(wire)} characters as AIBrix serves it ({wire[:40]}...); AIBrix takes at most "
-            f"{MAX_REQUEST_NAME}: use a shorter publisher name"
-        )
-    return wire
-
-
-def served_from_request(wire: str) -> str:
-    """The inverse of :func:`request_name` for a name vLLM lists: lorasync's ``name@vN`` where
-    ``wire`` is its spelling, else ``wire`` itself (a name lorasync reads as its own but AIBrix
-    cannot have loaded comes back marked, so it stays foreign)."""
-    if not isinstance(wire, str):  # engines may list odd values: foreign, as they are
-        return wire
-    decoded = _decode(wire)
-    if decoded is not None:
-        return decoded
-    if parse_served_name(wire) is not None:
-        return wire + UNMANAGED_MARK
-    return wire
-
-
-def _decode(wire: str) -> str | None:
-    out: list[str] = []
-    i = 0
-    while i < len(wire):
-        c = wire[i]
-        if c != "_":
-            out.append(c)
-            i += 1
-            continue
-        nxt = wire[i + 1 : i + 2]
-        if nxt == "v":
-            digits = wire[i + 2 :]
-            if not digits.isascii() or not digits.isdigit() or str(int(digits)) != digits:
-                return None
-            try:
-                served = served_name("".join(out), int(digits))
-            except InvalidNameError:
-                return None
-            return served if parse_served_name(served) is not None else None
-        if nxt not in _UNESCAPES:
-            return None
-        out.append(_UNESCAPES[nxt])
-        i += 2
-    return None
-
-
 def _default_sidecar(url: str) -> str:
     parts = urlsplit(url)
     host = parts.hostname or "127.0.0.1"
@@ -150,12 +81,23 @@ def _default_sidecar(url: str) -> str:
 
 
 class _Sidecar(HTTPEngine):
-    """The sidecar's HTTP client: one request at a time, its answer handed back unread."""
+    """The sidecar's HTTP client: one request at a time, its answer handed back unread. It holds
+    no key: the sidecar asks none, and reaches vLLM with its own (``INFERENCE_ENGINE_API_KEY``)."""
 
     kind = "aibrix-sidecar"
 
     def _ask(self, method: str, path: str, body: Any = None, *, retry: bool = True) -> Operation[httpx.Response]:
         return (yield Call(method, path, json=body, retry=retry))
+
+    def _checked(self, response: httpx.Response, call: Call, adapter: str | None, attempts: int) -> httpx.Response:
+        if response.status_code in (401, 403):  # vLLM's refusal, relayed: the sidecar sent vLLM no key, or another
+            raise AuthenticationError(
+                f"the AIBrix sidecar at {self.url} was refused by its vLLM (HTTP {response.status_code}): start "
+                "aibrix_runtime with INFERENCE_ENGINE_API_KEY set to the server's --api-key (the sidecar sends vLLM its "
+                "own key, never the caller's)",
+                **self.error_context(call.path, adapter, response),
+            )
+        return super()._checked(response, call, adapter, attempts)
 
 
 # A step of an AIBrix operation: which client runs which operation; the answer is sent back.
@@ -169,8 +111,8 @@ class AIBrixEngine(VLLMEngine):
         url (`str`, defaults to ``"http://127.0.0.1:8000"``): the vLLM server (listings,
             capabilities, ``/metrics``, verification requests).
         sidecar (`str`, *optional*): the ``aibrix_runtime`` URL; default the server's host on
-            port 8080 (AIBrix's default). The API key (``api_key`` / ``api_key_env``) goes there
-            too: the sidecar forwards it to vLLM.
+            port 8080 (AIBrix's default). The API key (``api_key`` / ``api_key_env``) goes to vLLM
+            only: the sidecar reaches vLLM with its own ``INFERENCE_ENGINE_API_KEY``.
         **options: :class:`~lorasync.engines.vllm.VLLMEngine` options (``api_key``,
             ``api_key_env``, ``timeout``, ``retries``, ``max_rank``, ``max_loras``, ``same_host``).
 
@@ -187,14 +129,15 @@ class AIBrixEngine(VLLMEngine):
 
     def __init__(self, url: str = "http://127.0.0.1:8000", *, sidecar: str | None = None, **options: Any) -> None:
         super().__init__(url, **options)
-        if sidecar is not None and not isinstance(sidecar, str):
-            raise ConfigError(f"sidecar must be the AIBrix runtime's URL (http://host:8080), got {type(sidecar).__name__}")
+        if sidecar is not None and (not isinstance(sidecar, str) or not sidecar.strip()):
+            raise ConfigError(f"sidecar must be the AIBrix runtime's URL (http://host:8080) or left out, got {sidecar!r}")
         self._sidecar = _Sidecar(
-            sidecar or _default_sidecar(self.url),
-            api_key=options.get("api_key"),
-            api_key_env=options.get("api_key_env"),
+            sidecar if sidecar is not None else _default_sidecar(self.url),
             timeout=self.timeout,
             retries=self.retry,
+            # The caller's own I/O (tests, proxies, sockets) carries the sidecar's requests too.
+            transport=options.get("transport"),
+            async_transport=options.get("async_transport"),
         )
 
     @property
@@ -277,7 +220,10 @@ class AIBrixEngine(VLLMEngine):
         return None if names is None else frozenset(served_from_request(n) for n in names)
 
     def _generate(self, prompt: Sequence[int], model: str, max_tokens: int, logprobs: int | None, ignore_eos: bool) -> Operation[Completion]:
-        wire = request_name(model) if parse_served_name(model) is not None else model
+        if isinstance(model, str) and model.endswith(UNMANAGED_MARK):
+            wire = model[: -len(UNMANAGED_MARK)]  # listed so, to stay foreign: asked for as vLLM lists it
+        else:
+            wire = request_name(model) if parse_served_name(model) is not None else model
         return (yield from super()._generate(prompt, wire, max_tokens, logprobs, ignore_eos))
 
     # -- steps (each runs one operation on one client) ------------------------------------------
@@ -317,34 +263,73 @@ class AIBrixEngine(VLLMEngine):
         wire = request_name(name)
         lora_path = os.path.abspath(os.fspath(path))
         self.refuse_extra_weights(name, lora_path, SIDECAR_LOAD)
+        # What this server serves before: a name it lists is another load's (the sidecar retries a
+        # load on its own, so "already loaded" after the request may be this one landing).
+        before = yield self, super()._roots()
+        if wire in before:
+            raise self._already(name, wire, before[wire])
         if name in self._unloaded:  # vLLM before 0.34 would take the new LoRA id for the old one's
             yield self, _releases.refuse_name_in_use(name, kind=self.kind, url=self.url, in_use=self._in_use)
         response = yield self._sidecar, self._sidecar._ask("POST", SIDECAR_LOAD, {"lora_name": wire, "lora_path": lora_path})
-        if response.status_code == 200 and body_text(response).startswith("Success"):
-            self._unloaded.discard(name)
-            return
         message = message_of(response)
-        retried = response.extensions.get("lorasync_attempts", 1) > 1
-        if response.status_code == 200 or ("has already been loaded" in message and retried):
-            # Not its success text, or a retried request whose first attempt landed: vLLM's list says.
-            roots = yield self, super()._roots()
-            if roots.get(wire, "") in (None, lora_path):
+        if response.status_code == 200 or "has already been loaded" in message:
+            # Its answer says a vLLM took it; the server this engine reads must list it, from this path.
+            after = yield self, super()._roots()
+            if wire in after and after[wire] in (None, lora_path):
                 self._unloaded.discard(name)
                 return
-            if response.status_code == 200:
-                raise EngineProtocolError(
-                    f"{self.kind}: the sidecar at {self._sidecar.url} answered the load of {name!r} with HTTP 200 but "
-                    f"{body_text(response)[:200]!r}, and vLLM at {self.url} does not list it; the adapter is not served",
-                    **self._sidecar.error_context(SIDECAR_LOAD, name, response),
+            if response.status_code != 200:
+                raise self._already(name, wire, after.get(wire))
+            if body_text(response).startswith("Success"):
+                # Loaded, but not into this server: the sidecar drives another one (a replica).
+                yield self._sidecar, self._sidecar._ask("POST", SIDECAR_UNLOAD, {"lora_name": wire, "cleanup_local": False})
+                raise ConfigError(
+                    f"the AIBrix sidecar at {self._sidecar.url} loaded {name!r} into a vLLM other than the server at {self.url}, "
+                    "which does not list it (taken out there again); give the sidecar of that server (sidecar=...)"
                 )
-        if response.status_code == 404 and "not found" in message and "has already" not in message:
+            raise EngineProtocolError(
+                f"{self.kind}: the sidecar at {self._sidecar.url} answered the load of {name!r} with HTTP 200 but "
+                f"{body_text(response)[:200]!r}, and vLLM at {self.url} does not list it; the adapter is not served",
+                **self._sidecar.error_context(SIDECAR_LOAD, name, response),
+            )
+        if response.status_code == 404:
+            # The sidecar answers any 404 of vLLM's as "LoRA path ... not found": vLLM's own route
+            # says whether runtime loading is off there.
+            route = yield self, self._ask_route()
+            if route_missing(route):
+                raise disabled(self, route, LOAD_ROUTE, name)
             raise AdapterNotFoundError(
                 f"the AIBrix sidecar at {self._sidecar.url} found no adapter at {lora_path} ({message}); the directory must "
                 "exist on the server's host and hold adapter_config.json and adapter_model.safetensors",
                 path=lora_path,
                 **self._sidecar.error_context(SIDECAR_LOAD, name, response),
             )
-        raise load_error(self._sidecar, response, name, lora_path, message)
+        if response.status_code >= 500 and "has already" not in message:
+            # The sidecar retries vLLM's 5xx and then answers its own text, vLLM's reason dropped:
+            # the one refusal lorasync can tell from here is a rank over the server's maximum.
+            caps = yield self, super()._capabilities()
+            rank = _config_rank(lora_path)
+            if rank is not None and caps.max_rank is not None and rank > caps.max_rank:
+                raise RankTooLargeError(
+                    f"{self.kind} at {self.url} refused adapter {name!r}: its rank {rank} is over the server's max_lora_rank "
+                    f"{caps.max_rank}; restart vLLM with a larger --max-lora-rank or train/trim the adapter to r <= {caps.max_rank}",
+                    rank=rank,
+                    max_rank=caps.max_rank,
+                    **self._sidecar.error_context(SIDECAR_LOAD, name, response),
+                )
+        raise load_error(self._sidecar, response, name, lora_path, message, route=SIDECAR_LOAD)
+
+    def _already(self, name: str, wire: str, root: str | None) -> AdapterAlreadyLoadedError:
+        return AdapterAlreadyLoadedError(
+            f"{self.kind} at {self.url} already serves an adapter named {name!r} (as {wire!r}, from {root}); publish under "
+            "a new versioned name or unload it first (AIBrix has no in-place load)",
+            engine=self.kind,
+            url=f"{self._sidecar.url}{SIDECAR_LOAD}",
+            adapter=name,
+        )
+
+    def _ask_route(self) -> Operation[httpx.Response]:
+        return (yield Call("GET", LOAD_ROUTE, retry=False))
 
     def _aibrix_unload(self, name: str) -> Step[None]:
         if not name:
@@ -390,6 +375,17 @@ class AIBrixEngine(VLLMEngine):
                 answer = await client._arun(op, adapter=adapter)
         except StopIteration as stop:
             return stop.value
+
+
+def _config_rank(path: str) -> int | None:
+    """The largest rank ``adapter_config.json`` in ``path`` names (``r``, ``rank_pattern``), if readable here."""
+    try:
+        with open(os.path.join(path, "adapter_config.json"), encoding="utf-8") as f:
+            config = json.loads(f.read(1 << 20))
+        ranks = [config.get("r"), *(config.get("rank_pattern") or {}).values()]
+        return max(r for r in ranks if isinstance(r, int) and not isinstance(r, bool))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
 
 
 def _bases(response: httpx.Response) -> set[tuple[Any, Any]]:

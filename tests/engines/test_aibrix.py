@@ -14,6 +14,7 @@ in its own venv) in front of the real vLLM CPU server, as an AIBrix deployment d
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -267,3 +268,131 @@ def test_requests_in_flight_are_read_under_lorasyncs_names(engine: AIBrixEngine,
                         break
                     time.sleep(0.05)
     assert seen == {"inflight@v1"}, seen
+
+
+# -- from the outside attack (2026-12-07): the sidecar's answers that hide what vLLM did ---------------
+
+
+@pytest.mark.vllm
+def test_a_rank_over_the_servers_maximum_is_typed_although_the_sidecar_drops_vllms_reason(engine: AIBrixEngine, tmp_path: Path) -> None:
+    from lorasync.errors import RankTooLargeError
+
+    export(make_peft_model(make_tiny_model(), r=32, seed=3)).save(tmp_path / "r32")  # the shared server takes r <= 16
+    with pytest.raises(RankTooLargeError) as caught:
+        engine.load_adapter("toobig@v1", tmp_path / "r32")
+    assert caught.value.rank == 32 and caught.value.max_rank == engine.capabilities().max_rank
+
+
+@pytest.mark.vllm
+def test_a_name_loaded_around_aibrix_is_listed_foreign_and_can_still_be_asked_for(engine: AIBrixEngine, vllm_server: VLLMServer, tmp_path: Path) -> None:
+    from lorasync.engines.vllm import VLLMEngine
+
+    export(trained(seed=5)).save(tmp_path / "a")
+    with VLLMEngine(vllm_server.url) as plain:
+        plain.load_adapter("around@v3", tmp_path / "a")
+        try:
+            listed = [n for n in engine.list_adapters() if n.startswith("around")]
+            assert listed == ["around@v3#loaded-around-aibrix"] and parse_served_name(listed[0]) is None
+            assert engine.generate(list(PROMPTS[0]), model=listed[0]).token_ids == plain.generate(list(PROMPTS[0]), model="around@v3").token_ids
+        finally:
+            plain.unload_adapter("around@v3")
+
+
+@pytest.mark.vllm
+def test_a_second_load_of_a_name_says_what_aibrix_allows_and_names_the_sidecars_route(engine: AIBrixEngine, sidecar: AIBrixSidecar, tmp_path: Path) -> None:
+    from lorasync.errors import AdapterAlreadyLoadedError
+
+    export(trained(seed=6)).save(tmp_path / "a")
+    engine.load_adapter("twice@v1", tmp_path / "a")
+    with pytest.raises(AdapterAlreadyLoadedError) as caught:
+        engine.load_adapter("twice@v1", tmp_path / "a")
+    assert "load_inplace=True" not in str(caught.value) and "no in-place load" in str(caught.value)
+    assert caught.value.url == f"{sidecar.url}/v1/lora_adapter/load"
+
+
+VLLM_AT, SIDECAR_AT = "http://127.0.0.1:9", "http://127.0.0.1:10"
+
+
+class Recorded:
+    """vLLM and the sidecar as aibrix 0.8.0 answers (the texts recorded from the real ones), for the
+    cases the real pair cannot be made to show on demand: the sidecar's own retry after its 30 s
+    read timeout, a sidecar driving another replica, a vLLM with a key the sidecar lacks, a vLLM
+    without runtime loading. ``load``: the sidecar's answer; ``lands``: whether vLLM then lists it."""
+
+    def __init__(self, load: httpx.Response, *, lands: bool, route: int = 405) -> None:
+        self.load, self.lands, self.route = load, lands, route
+        self.listed: dict[str, str] = {}
+        self.seen: list[tuple[str, str, httpx.Headers, bytes]] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        where = f"{request.url.scheme}://{request.url.host}:{request.url.port}"
+        self.seen.append((where, request.url.path, request.headers, request.content))
+        if where == VLLM_AT and request.url.path == "/v1/models":
+            cards = [{"id": "tiny-base", "root": "/m", "parent": None}] + [{"id": n, "root": r, "parent": "tiny-base"} for n, r in self.listed.items()]
+            return httpx.Response(200, json={"object": "list", "data": cards})
+        if where == VLLM_AT and request.url.path == "/v1/load_lora_adapter":
+            return httpx.Response(self.route, json={"detail": "Not Found" if self.route == 404 else "Method Not Allowed"})
+        if where == SIDECAR_AT and request.url.path == "/v1/lora_adapter/load":
+            sent = json.loads(request.content)
+            if self.lands:
+                self.listed[sent["lora_name"]] = sent["lora_path"]
+            return self.load
+        if where == SIDECAR_AT and request.url.path == "/v1/lora_adapter/unload":
+            return httpx.Response(200, json={"status": "success", "message": "Successfully unloaded adapter"})
+        return httpx.Response(404, json={"detail": "Not Found"})
+
+
+def recorded_engine(recorded: Recorded, **options: object) -> AIBrixEngine:
+    return AIBrixEngine(VLLM_AT, sidecar=SIDECAR_AT, transport=httpx.MockTransport(recorded), retries=0, timeout=5.0, **options)  # type: ignore[arg-type]
+
+
+ALREADY = httpx.Response(400, json={"object": "error", "message": "Failed to load LoRA adapter 'r_v1': {\"error\":{\"message\":\"The lora adapter 'r_v1' has already been loaded. If you want to load the adapter in place, set 'load_inplace' to True.\",\"type\":\"InvalidUserInput\",\"param\":null,\"code\":400}}", "type": "ServerError", "param": None, "code": 400})
+SUCCESS = httpx.Response(200, text="Success: LoRA adapter 'r_v1' loaded successfully from '/x'.")
+
+
+def test_a_load_the_sidecar_retried_past_its_timeout_counts_once_the_server_lists_it(tmp_path: Path) -> None:
+    # Its first attempt landed after its 30 s read timeout; its retry answers "already loaded".
+    recorded = Recorded(ALREADY, lands=True)
+    with recorded_engine(recorded) as engine:
+        engine.load_adapter("r@v1", tmp_path)
+        assert engine.list_adapters() == ["r@v1"]
+
+
+def test_a_load_another_replica_took_is_refused_and_taken_out_there(tmp_path: Path) -> None:
+    recorded = Recorded(SUCCESS, lands=False)  # the sidecar's vLLM is not the server this engine reads
+    with recorded_engine(recorded) as engine, pytest.raises(ConfigError, match="other than the server"):
+        engine.load_adapter("r@v1", tmp_path)
+    unloads = [body for where, path, _, body in recorded.seen if where == SIDECAR_AT and path == "/v1/lora_adapter/unload"]
+    assert unloads and b'"cleanup_local":false' in unloads[0].replace(b" ", b"")
+
+
+def test_a_key_the_sidecar_lacks_names_its_variable_and_the_callers_key_never_goes_there(tmp_path: Path) -> None:
+    from lorasync.errors import AuthenticationError
+
+    recorded = Recorded(httpx.Response(401, json={"error": "Unauthorized"}), lands=False)
+    with recorded_engine(recorded, api_key="sk-never-to-the-sidecar") as engine, pytest.raises(AuthenticationError, match="INFERENCE_ENGINE_API_KEY") as caught:
+        engine.load_adapter("r@v1", tmp_path)
+    assert "sk-never" not in str(caught.value)
+    assert all("sk-never" not in str(headers) for where, _, headers, _ in recorded.seen if where == SIDECAR_AT)
+    assert any("sk-never" in headers.get("authorization", "") for where, _, headers, _ in recorded.seen if where == VLLM_AT)
+
+
+def test_runtime_loading_off_is_said_although_the_sidecar_calls_it_a_missing_path(tmp_path: Path) -> None:
+    from lorasync.errors import RuntimeLoraDisabledError
+
+    missing = httpx.Response(404, json={"object": "error", "message": f"LoRA path '{tmp_path}' not found", "type": "NotFoundError", "param": None, "code": 404})
+    with recorded_engine(Recorded(missing, lands=False, route=404)) as engine, pytest.raises(RuntimeLoraDisabledError):
+        engine.load_adapter("r@v1", tmp_path)
+    from lorasync.errors import AdapterNotFoundError
+
+    with recorded_engine(Recorded(missing, lands=False, route=405)) as engine, pytest.raises(AdapterNotFoundError):
+        engine.load_adapter("r@v1", tmp_path)
+
+
+def test_the_callers_transport_carries_the_sidecars_requests_and_an_empty_sidecar_url_is_refused(tmp_path: Path) -> None:
+    recorded = Recorded(SUCCESS, lands=True)
+    with recorded_engine(recorded) as engine:
+        engine.load_adapter("r@v1", tmp_path)
+    assert (SIDECAR_AT, "/v1/lora_adapter/load") in [(w, p) for w, p, _, _ in recorded.seen]
+    with pytest.raises(ConfigError, match="sidecar"):
+        AIBrixEngine(VLLM_AT, sidecar="")

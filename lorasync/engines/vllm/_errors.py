@@ -61,14 +61,15 @@ INCOMPATIBLE: tuple[tuple[str, str], ...] = (
 )
 
 
-def load_error(engine: HTTPEngine, response: httpx.Response, name: str, path: str, message: str) -> EngineError:
-    """The typed error for a refused ``/v1/load_lora_adapter`` of ``name`` from ``path``."""
-    context = engine.error_context(LOAD_ROUTE, name, response)
+def load_error(engine: HTTPEngine, response: httpx.Response, name: str, path: str, message: str, *, route: str = LOAD_ROUTE) -> EngineError:
+    """The typed error for a refused load of ``name`` from ``path`` (vLLM's ``/v1/load_lora_adapter``,
+    or the ``route`` that forwarded it there)."""
+    context = engine.error_context(route, name, response)
     status = response.status_code
     where = f"{engine.kind} at {engine.url}"
     detail = worker_message(message)
     if route_missing(response):
-        return disabled(engine, response, LOAD_ROUTE, name)
+        return disabled(engine, response, route, name)
     if "has already been loaded" in message:
         return AdapterAlreadyLoadedError(
             f"{where} already serves an adapter named {name!r}; publish under a new versioned name, "
@@ -115,7 +116,7 @@ def load_error(engine: HTTPEngine, response: httpx.Response, name: str, path: st
             reason=detail,
             **context,
         )
-    return generic(engine, response, LOAD_ROUTE, name, message, f"load of adapter {name!r} from {path}")
+    return generic(engine, response, route, name, message, f"load of adapter {name!r} from {path}")
 
 
 def disabled(engine: HTTPEngine, response: httpx.Response, route: str, name: str | None) -> RuntimeLoraDisabledError:
