@@ -39,7 +39,7 @@ def request_name(name: str) -> str:
     else:
         if not isinstance(name, str) or not _ALPHABET.fullmatch(name):
             raise InvalidNameError(
-                f"adapter name {name!r} cannot load through AIBrix, whose sidecar takes only letters, digits, '-' and '_'"
+                f"adapter name {name!r} cannot pass through AIBrix (a load or an unload), whose sidecar takes only letters, digits, '-' and '_'"
             )
         if served_from_request(name) != name:
             raise InvalidNameError(
