@@ -80,7 +80,8 @@ def _decode(wire: str) -> str | None:
         nxt = wire[i + 1 : i + 2]
         if nxt == "v":
             digits = wire[i + 2 :]
-            if not digits.isascii() or not digits.isdigit() or str(int(digits)) != digits:
+            # At most 15 digits (validate_version's bound): also keeps int() off Python's digit limit.
+            if not digits.isascii() or not digits.isdigit() or len(digits) > 15 or str(int(digits)) != digits:
                 return None
             try:
                 served = served_name("".join(out), int(digits))

@@ -38,27 +38,25 @@ is the :class:`~lorasync.engines.vllm.VLLMEngine` client's, on the vLLM server's
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Generator, Mapping, Sequence
 from typing import Any, TypeVar
-from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
 from lorasync.adapter._names import parse_served_name
 from lorasync.engines._aibrix_names import UNMANAGED_MARK, request_name, served_from_request
+from lorasync.engines._aibrix_sidecar import SIDECAR_LOAD, SIDECAR_READY, SIDECAR_UNLOAD, Sidecar, bases, config_rank, default_sidecar
 from lorasync.engines._engine import Capabilities
-from lorasync.engines._http import Call, HTTPEngine, Operation, body_json, body_text
+from lorasync.engines._http import Call, HTTPEngine, Operation, body_text
 from lorasync.engines.vllm._bodies import Completion
 from lorasync.engines.vllm._client import VLLMEngine
-from lorasync.engines.vllm._errors import dig, disabled, generic, load_error, message_of, route_missing
+from lorasync.engines.vllm._errors import disabled, generic, load_error, message_of, route_missing
 from lorasync.engines.vllm._protocol import LOAD_ROUTE, MODELS_ROUTE
 from lorasync.engines.vllm import _releases
 from lorasync.errors import (
     AdapterAlreadyLoadedError,
     AdapterNotFoundError,
-    AuthenticationError,
     CapabilityError,
     ConfigError,
     EngineProtocolError,
@@ -68,37 +66,6 @@ from lorasync.errors import (
 __all__ = ["AIBrixEngine", "request_name", "served_from_request"]
 
 T = TypeVar("T")
-
-SIDECAR_PORT = 8080  # aibrix_runtime's default --port
-SIDECAR_LOAD = "/v1/lora_adapter/load"
-SIDECAR_UNLOAD = "/v1/lora_adapter/unload"
-SIDECAR_READY = "/ready"
-def _default_sidecar(url: str) -> str:
-    parts = urlsplit(url)
-    host = parts.hostname or "127.0.0.1"
-    host = f"[{host}]" if ":" in host else host
-    return urlunsplit((parts.scheme or "http", f"{host}:{SIDECAR_PORT}", "", "", ""))
-
-
-class _Sidecar(HTTPEngine):
-    """The sidecar's HTTP client: one request at a time, its answer handed back unread. It holds
-    no key: the sidecar asks none, and reaches vLLM with its own (``INFERENCE_ENGINE_API_KEY``)."""
-
-    kind = "aibrix-sidecar"
-
-    def _ask(self, method: str, path: str, body: Any = None, *, retry: bool = True) -> Operation[httpx.Response]:
-        return (yield Call(method, path, json=body, retry=retry))
-
-    def _checked(self, response: httpx.Response, call: Call, adapter: str | None, attempts: int) -> httpx.Response:
-        if response.status_code in (401, 403):  # vLLM's refusal, relayed: the sidecar sent vLLM no key, or another
-            raise AuthenticationError(
-                f"the AIBrix sidecar at {self.url} was refused by its vLLM (HTTP {response.status_code}): start "
-                "aibrix_runtime with INFERENCE_ENGINE_API_KEY set to the server's --api-key (the sidecar sends vLLM its "
-                "own key, never the caller's)",
-                **self.error_context(call.path, adapter, response),
-            )
-        return super()._checked(response, call, adapter, attempts)
-
 
 # A step of an AIBrix operation: which client runs which operation; the answer is sent back.
 Step = Generator[tuple[HTTPEngine, Operation[Any]], Any, T]
@@ -131,8 +98,8 @@ class AIBrixEngine(VLLMEngine):
         super().__init__(url, **options)
         if sidecar is not None and (not isinstance(sidecar, str) or not sidecar.strip()):
             raise ConfigError(f"sidecar must be the AIBrix runtime's URL (http://host:8080) or left out, got {sidecar!r}")
-        self._sidecar = _Sidecar(
-            sidecar if sidecar is not None else _default_sidecar(self.url),
+        self._sidecar = Sidecar(
+            sidecar if sidecar is not None else default_sidecar(self.url),
             timeout=self.timeout,
             retries=self.retry,
             # The caller's own I/O (tests, proxies, sockets) carries the sidecar's requests too.
@@ -236,10 +203,10 @@ class AIBrixEngine(VLLMEngine):
         # Its /v1/models is the server's it drives: the base models and their roots must be ours.
         theirs = yield self._sidecar, self._sidecar._ask("GET", MODELS_ROUTE)
         ours = yield self, self._ask_models()
-        if _bases(theirs) != _bases(ours):
+        if bases(theirs) != bases(ours):
             raise ConfigError(
-                f"the AIBrix sidecar at {self._sidecar.url} drives a vLLM serving {sorted(_bases(theirs))}, not the server at "
-                f"{self.url} ({sorted(_bases(ours))}); give the sidecar of that server (sidecar=...)"
+                f"the AIBrix sidecar at {self._sidecar.url} drives a vLLM serving {sorted(bases(theirs))}, not the server at "
+                f"{self.url} ({sorted(bases(ours))}); give the sidecar of that server (sidecar=...)"
             )
         return dataclasses.replace(
             caps,
@@ -292,6 +259,11 @@ class AIBrixEngine(VLLMEngine):
                 f"{body_text(response)[:200]!r}, and vLLM at {self.url} does not list it; the adapter is not served",
                 **self._sidecar.error_context(SIDECAR_LOAD, name, response),
             )
+        if route_missing(response):  # FastAPI's own 404: no such route, so not AIBrix's runtime there
+            raise ConfigError(
+                f"{self._sidecar.url} has no {SIDECAR_LOAD} route: is it AIBrix's runtime sidecar (aibrix_runtime, port 8080 by "
+                "default)? Give its URL as sidecar=..."
+            )
         if response.status_code == 404:
             # The sidecar answers any 404 of vLLM's as "LoRA path ... not found": vLLM's own route
             # says whether runtime loading is off there.
@@ -308,7 +280,7 @@ class AIBrixEngine(VLLMEngine):
             # The sidecar retries vLLM's 5xx and then answers its own text, vLLM's reason dropped:
             # the one refusal lorasync can tell from here is a rank over the server's maximum.
             caps = yield self, super()._capabilities()
-            rank = _config_rank(lora_path)
+            rank = config_rank(lora_path) if self.same_host else None  # a remote server's files are not these
             if rank is not None and caps.max_rank is not None and rank > caps.max_rank:
                 raise RankTooLargeError(
                     f"{self.kind} at {self.url} refused adapter {name!r}: its rank {rank} is over the server's max_lora_rank "
@@ -375,20 +347,3 @@ class AIBrixEngine(VLLMEngine):
                 answer = await client._arun(op, adapter=adapter)
         except StopIteration as stop:
             return stop.value
-
-
-def _config_rank(path: str) -> int | None:
-    """The largest rank ``adapter_config.json`` in ``path`` names (``r``, ``rank_pattern``), if readable here."""
-    try:
-        with open(os.path.join(path, "adapter_config.json"), encoding="utf-8") as f:
-            config = json.loads(f.read(1 << 20))
-        ranks = [config.get("r"), *(config.get("rank_pattern") or {}).values()]
-        return max(r for r in ranks if isinstance(r, int) and not isinstance(r, bool))
-    except (OSError, ValueError, TypeError, AttributeError):
-        return None
-
-
-def _bases(response: httpx.Response) -> set[tuple[Any, Any]]:
-    """(id, root) of the base models (cards without a parent) of a ``/v1/models`` answer."""
-    cards = dig(body_json(response), "data") if response.status_code == 200 else None
-    return {(c.get("id"), c.get("root")) for c in cards or [] if isinstance(c, dict) and not c.get("parent")}

@@ -6,10 +6,45 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["GroupProcess"]
+__all__ = ["GroupProcess", "group_alive", "signal_group"]
+
+
+def signal_group(pgid: int, sig: int) -> None:
+    """Send ``sig`` to process group ``pgid``; a group that is gone is no error."""
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether any process of group ``pgid`` still runs. A zombie (killed, not yet reaped: an
+    orphan waits for whoever reaps them, which in a container may be never) does not count."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return True  # no /proc to tell zombies apart: the signal says someone is there
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()  # after the command, which may hold spaces
+        except OSError:
+            continue
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != b"Z":
+            return True
+    return False
 
 
 class GroupProcess:
@@ -25,16 +60,17 @@ class GroupProcess:
         raise NotImplementedError
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Stop its process group (SIGTERM, then SIGKILL). Idempotent."""
+        """Stop its whole process group: SIGTERM, then SIGKILL for whatever of the group is left
+        after ``timeout`` seconds (the leader may exit before a member that ignores SIGTERM).
+        Idempotent."""
         proc, self._proc = self._proc, None
         if proc is not None:
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-                proc.wait(timeout)
-            except ProcessLookupError:
-                pass
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+            signal_group(proc.pid, signal.SIGTERM)
+            deadline = time.monotonic() + timeout
+            while (proc.poll() is None or group_alive(proc.pid)) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if proc.poll() is None or group_alive(proc.pid):
+                signal_group(proc.pid, signal.SIGKILL)
                 proc.wait(10.0)
         if self._log is not None:
             self._log.close()

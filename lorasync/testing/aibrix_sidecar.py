@@ -89,13 +89,17 @@ class AIBrixSidecar(GroupProcess):
             os.close(fd)
             self.log_path = Path(name)
         self.port = self._given_port or free_port(self.host)
-        self._metrics = tempfile.mkdtemp(prefix="aibrix-metrics-")
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "INFERENCE_ENGINE_API_KEY")}
-        env.update(INFERENCE_ENGINE="vllm", INFERENCE_ENGINE_ENDPOINT=self.engine_url, PROMETHEUS_MULTIPROC_DIR=self._metrics)
-        if self.api_key is not None:
-            env["INFERENCE_ENGINE_API_KEY"] = self.api_key
-        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
-        self._proc = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        try:  # a start that fails half-way (no such python) leaves no folder and no open log
+            self._metrics = tempfile.mkdtemp(prefix="aibrix-metrics-")
+            env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "INFERENCE_ENGINE_API_KEY")}
+            env.update(INFERENCE_ENGINE="vllm", INFERENCE_ENGINE_ENDPOINT=self.engine_url, PROMETHEUS_MULTIPROC_DIR=self._metrics)
+            if self.api_key is not None:
+                env["INFERENCE_ENGINE_API_KEY"] = self.api_key
+            self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+            self._proc = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        except BaseException:
+            self.stop()
+            raise
         deadline = time.monotonic() + self.startup_timeout
         try:
             with httpx.Client(timeout=2.0) as client:

@@ -33,6 +33,7 @@ import httpx
 
 import lorasync
 from lorasync.errors import EngineTimeoutError, EngineUnavailableError
+from lorasync.testing._group import group_alive, signal_group
 from lorasync.testing._ports import group_listens, refused_url
 
 __all__ = ["DEFAULT_VLLM_PYTHON", "VLLMServer", "free_port", "lorasync_import_root", "refused_url", "start_all", "vllm_python"]
@@ -281,13 +282,13 @@ class VLLMServer:
         """Stop the whole process group: SIGTERM, then SIGKILL after ``timeout`` seconds. Idempotent."""
         proc, self._proc = self._proc, None
         if proc is not None:
-            _signal_group(proc.pid, signal.SIGTERM)
+            signal_group(proc.pid, signal.SIGTERM)
             deadline = time.monotonic() + timeout
             # The leader may exit before its children (EngineCore): wait for the whole group.
-            while (proc.poll() is None or _group_alive(proc.pid)) and time.monotonic() < deadline:
+            while (proc.poll() is None or group_alive(proc.pid)) and time.monotonic() < deadline:
                 time.sleep(0.2)
-            if proc.poll() is None or _group_alive(proc.pid):
-                _signal_group(proc.pid, signal.SIGKILL)
+            if proc.poll() is None or group_alive(proc.pid):
+                signal_group(proc.pid, signal.SIGKILL)
                 proc.wait(10.0)
         if self._log_file is not None:
             self._log_file.close()
@@ -356,23 +357,6 @@ def start_all(servers: Sequence[VLLMServer]) -> None:
         for server in servers:
             server.stop()
         raise interrupted or errors[0]
-
-
-def _signal_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except ProcessLookupError:
-        pass
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _same_python(python: Any) -> bool:

@@ -15,6 +15,7 @@ in its own venv) in front of the real vLLM CPU server, as an AIBrix deployment d
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -396,3 +397,91 @@ def test_the_callers_transport_carries_the_sidecars_requests_and_an_empty_sideca
     assert (SIDECAR_AT, "/v1/lora_adapter/load") in [(w, p) for w, p, _, _ in recorded.seen]
     with pytest.raises(ConfigError, match="sidecar"):
         AIBrixEngine(VLLM_AT, sidecar="")
+
+
+# -- from the second outside attack (2026-12-07) ---------------------------------------------------------
+
+ERROR_500 = httpx.Response(500, json={"object": "error", "message": "Unexpected error loading LoRA adapter", "type": "ServerError", "param": None, "code": 500})
+
+
+@pytest.mark.parametrize("config", ["fifo", "nested", "directory"])
+def test_the_rank_diagnosis_of_a_5xx_never_blocks_or_raises_untyped(tmp_path: Path, config: str) -> None:
+    from lorasync.errors import EngineError
+
+    target = tmp_path / "adapter_config.json"
+    if config == "fifo":
+        os.mkfifo(target)  # opened as a plain file, the read would wait for a writer forever
+    elif config == "nested":
+        target.write_text("[" * 100_000)  # json.loads: RecursionError
+    else:
+        target.mkdir()
+    with recorded_engine(Recorded(ERROR_500, lands=False)) as engine, pytest.raises(EngineError) as caught:
+        engine.load_adapter("r@v1", tmp_path)
+    assert type(caught.value).__name__ != "RankTooLargeError"
+
+
+def test_a_remote_server_is_not_diagnosed_from_this_hosts_files(tmp_path: Path) -> None:
+    from lorasync.errors import RankTooLargeError
+
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"r": 4096}))  # what lies here, not there
+    with recorded_engine(Recorded(ERROR_500, lands=False), same_host=False, max_rank=16) as engine, pytest.raises(Exception) as caught:
+        engine.load_adapter("r@v1", tmp_path)
+    assert not isinstance(caught.value, RankTooLargeError)
+
+
+def test_odd_listings_stay_foreign_and_odd_model_cards_are_compared_as_text() -> None:
+    long = "x_v" + "1" * 5000  # past Python's int() digit limit
+    assert served_from_request(long) == long
+    with pytest.raises(InvalidNameError):
+        request_name(long)
+    from lorasync.engines._aibrix_sidecar import bases as _bases
+
+    answer = httpx.Response(200, json={"data": [{"id": "tiny", "root": {"an": "object"}, "parent": None}]})
+    assert _bases(answer) == {("tiny", "{'an': 'object'}")}
+
+
+def test_a_sidecar_url_without_the_load_route_is_said_to_be_no_sidecar(tmp_path: Path) -> None:
+    fastapi_404 = httpx.Response(404, json={"detail": "Not Found"})  # vLLM's own URL given as the sidecar, say
+    with recorded_engine(Recorded(fastapi_404, lands=False)) as engine, pytest.raises(ConfigError, match="no /v1/lora_adapter/load route"):
+        engine.load_adapter("r@v1", tmp_path)
+
+
+def test_a_sidecar_that_cannot_start_leaves_no_folder_or_open_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(OSError):
+        AIBrixSidecar("http://127.0.0.1:9", python=tmp_path / "no-such-python", log_path=tmp_path / "s.log").start()
+    assert not list(tmp_path.glob("aibrix-metrics-*"))
+
+
+def test_a_stopped_helper_leaves_no_member_of_its_group_running(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from lorasync.testing._group import GroupProcess, group_alive
+
+    member = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)"
+    leader = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {member!r}]); time.sleep(120)"
+
+    class Helper(GroupProcess):
+        def start(self) -> "Helper":
+            self._proc = subprocess.Popen([sys.executable, "-c", leader], start_new_session=True)
+            return self
+
+    helper = Helper().start()
+    pgid = helper._proc.pid  # type: ignore[union-attr]
+    deadline = time.monotonic() + 30
+    while len([p for p in os.listdir("/proc") if p.isdigit() and _pgrp(p) == pgid]) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)  # the member that ignores SIGTERM runs
+    helper.stop(timeout=1.0)  # the leader exits on SIGTERM; the member is killed
+    assert not group_alive(pgid)
+    helper.stop()  # again: nothing to do
+
+
+def _pgrp(pid: str) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[2])
+    except (OSError, ValueError, IndexError):
+        return None
