@@ -10,7 +10,20 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["GroupProcess", "group_alive", "signal_group"]
+__all__ = ["GroupProcess", "group_alive", "signal_group", "stop_group"]
+
+
+def stop_group(proc: subprocess.Popen[bytes], timeout: float) -> None:
+    """End the process group ``proc`` leads: SIGTERM, then SIGKILL for whatever of it is left after
+    ``timeout`` seconds (the leader may exit before its members: vLLM's engine core, a member that
+    ignores SIGTERM)."""
+    signal_group(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while (proc.poll() is None or group_alive(proc.pid)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if proc.poll() is None or group_alive(proc.pid):
+        signal_group(proc.pid, signal.SIGKILL)
+        proc.wait(10.0)
 
 
 def signal_group(pgid: int, sig: int) -> None:
@@ -65,13 +78,7 @@ class GroupProcess:
         Idempotent."""
         proc, self._proc = self._proc, None
         if proc is not None:
-            signal_group(proc.pid, signal.SIGTERM)
-            deadline = time.monotonic() + timeout
-            while (proc.poll() is None or group_alive(proc.pid)) and time.monotonic() < deadline:
-                time.sleep(0.05)
-            if proc.poll() is None or group_alive(proc.pid):
-                signal_group(proc.pid, signal.SIGKILL)
-                proc.wait(10.0)
+            stop_group(proc, timeout)
         if self._log is not None:
             self._log.close()
             self._log = None

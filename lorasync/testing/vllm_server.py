@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import sys
-import signal
 import socket
 import subprocess
 import tempfile
@@ -33,7 +32,7 @@ import httpx
 
 import lorasync
 from lorasync.errors import EngineTimeoutError, EngineUnavailableError
-from lorasync.testing._group import group_alive, signal_group
+from lorasync.testing._group import stop_group
 from lorasync.testing._ports import group_listens, refused_url
 
 __all__ = ["DEFAULT_VLLM_PYTHON", "VLLMServer", "free_port", "lorasync_import_root", "refused_url", "start_all", "vllm_python"]
@@ -282,14 +281,7 @@ class VLLMServer:
         """Stop the whole process group: SIGTERM, then SIGKILL after ``timeout`` seconds. Idempotent."""
         proc, self._proc = self._proc, None
         if proc is not None:
-            signal_group(proc.pid, signal.SIGTERM)
-            deadline = time.monotonic() + timeout
-            # The leader may exit before its children (EngineCore): wait for the whole group.
-            while (proc.poll() is None or group_alive(proc.pid)) and time.monotonic() < deadline:
-                time.sleep(0.2)
-            if proc.poll() is None or group_alive(proc.pid):
-                signal_group(proc.pid, signal.SIGKILL)
-                proc.wait(10.0)
+            stop_group(proc, timeout)  # the leader may exit before its children (EngineCore): the whole group
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
