@@ -7,8 +7,14 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import httpx
+
+from lorasync.errors import EngineTimeoutError, EngineUnavailableError
+from lorasync.testing._ports import group_listens
 
 __all__ = ["GroupProcess", "group_alive", "signal_group", "stop_group"]
 
@@ -86,6 +92,34 @@ class GroupProcess:
 
     def _stopped(self) -> None:
         """Hook: release what the subclass holds beside the process."""
+
+    def _wait_ready(self, what: str, url: str, port: int, timeout: float, ready: Callable[[httpx.Client], bool], *, poll: float = 0.1, waiting_for: str = "ready") -> None:
+        """Wait until the started group listens on ``port`` and ``ready(client)`` says yes; stop the
+        group on any failure (or a caller's interrupt) before raising.
+
+        Raises:
+            EngineUnavailableError: it exited during startup (its log says why).
+            EngineTimeoutError: not ready within ``timeout`` seconds.
+        """
+        assert self._proc is not None
+        deadline = time.monotonic() + timeout
+        try:
+            with httpx.Client(timeout=2.0) as client:
+                while True:
+                    if self._proc.poll() is not None:
+                        raise EngineUnavailableError(f"{what} exited during startup ({self._proc.returncode}); its log: {self.log_tail()}")
+                    if group_listens(self._proc.pid, port) is not False:
+                        try:
+                            if ready(client):
+                                return
+                        except (httpx.HTTPError, ValueError, AttributeError):
+                            pass  # not up yet, or not answering as it will
+                    if time.monotonic() > deadline:
+                        raise EngineTimeoutError(f"{what} at {url} was not {waiting_for} within {timeout:.0f} s; its log: {self.log_tail()}")
+                    time.sleep(poll)
+        except BaseException:
+            self.stop()
+            raise
 
     def log_text(self) -> str:
         """Everything it has logged so far."""

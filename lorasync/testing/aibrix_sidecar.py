@@ -18,15 +18,10 @@ import os
 import shutil
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-import httpx
-
-from lorasync.errors import EngineTimeoutError, EngineUnavailableError
 from lorasync.testing._group import GroupProcess
-from lorasync.testing._ports import group_listens
 from lorasync.testing.venvs import engine_venv
 from lorasync.testing.vllm_server import free_port
 
@@ -100,24 +95,8 @@ class AIBrixSidecar(GroupProcess):
         except BaseException:
             self.stop()
             raise
-        deadline = time.monotonic() + self.startup_timeout
-        try:
-            with httpx.Client(timeout=2.0) as client:
-                while True:
-                    if self._proc.poll() is not None:
-                        raise EngineUnavailableError(f"aibrix_runtime exited during startup ({self._proc.returncode}); its log: {self.log_tail()}")
-                    if group_listens(self._proc.pid, self.port) is not False:
-                        try:
-                            if client.get(f"{self.url}/ready").status_code == 200:
-                                return self
-                        except httpx.HTTPError:
-                            pass
-                    if time.monotonic() > deadline:
-                        raise EngineTimeoutError(f"aibrix_runtime at {self.url} was not ready within {self.startup_timeout:.0f} s; its log: {self.log_tail()}")
-                    time.sleep(0.1)
-        except BaseException:
-            self.stop()
-            raise
+        self._wait_ready("aibrix_runtime", self.url, self.port, self.startup_timeout, lambda client: client.get(f"{self.url}/ready").status_code == 200)
+        return self
 
     def _stopped(self) -> None:
         if self._metrics is not None:

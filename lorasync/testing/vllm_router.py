@@ -17,16 +17,14 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from lorasync.errors import ConfigError, EngineTimeoutError, EngineUnavailableError
+from lorasync.errors import ConfigError
 from lorasync.testing._group import GroupProcess
-from lorasync.testing._ports import group_listens
 from lorasync.testing.vllm_server import free_port
 
 __all__ = ["VLLMRouterProcess", "router_binary"]
@@ -119,22 +117,9 @@ class VLLMRouterProcess(GroupProcess):
         self.prometheus_port = self._given_prometheus_port or free_port(self.host)  # picked now, not at construction
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         self._proc = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-        deadline = time.monotonic() + self.startup_timeout
-        try:
-            with httpx.Client(timeout=2.0) as client:
-                while True:
-                    if self._proc.poll() is not None:
-                        raise EngineUnavailableError(f"vllm-router exited during startup ({self._proc.returncode}); its log: {self.log_tail()}")
-                    if group_listens(self._proc.pid, self.port) is not False:
-                        try:
-                            listed = client.get(f"{self.url}/list_workers").json().get("urls", [])
-                            if sorted(u.rstrip("/") for u in listed) == sorted(self.workers):
-                                return self
-                        except (httpx.HTTPError, ValueError, AttributeError):
-                            pass
-                    if time.monotonic() > deadline:
-                        raise EngineTimeoutError(f"vllm-router at {self.url} did not list its workers within {self.startup_timeout:.0f} s; its log: {self.log_tail()}")
-                    time.sleep(0.25)
-        except BaseException:
-            self.stop()
-            raise
+        self._wait_ready("vllm-router", self.url, self.port, self.startup_timeout, self._lists_workers, poll=0.25, waiting_for="listing its workers")
+        return self
+
+    def _lists_workers(self, client: httpx.Client) -> bool:
+        listed = client.get(f"{self.url}/list_workers").json().get("urls", [])
+        return sorted(u.rstrip("/") for u in listed) == sorted(self.workers)
