@@ -191,6 +191,48 @@ def test_a_trainer_run_through_the_sidecar_serves_every_version_exactly(
 
 
 @pytest.mark.vllm
+def test_two_jobs_on_one_host_publish_through_one_sidecar_and_each_keeps_only_its_own(
+    engine: AIBrixEngine, vllm_server: VLLMServer, sidecar: AIBrixSidecar, tmp_path: Path
+) -> None:
+    # Two trainers on one host (one root, each its own run), one vLLM behind one sidecar, publishing
+    # at the same time: every version each job reports serves its own weights, and each job's
+    # retention unloads only its own versions, never the other's.
+    names = ("job-a", "job-b")
+    models = {(n, v): trained(seed=80 + 10 * i + v) for i, n in enumerate(names) for v in (1, 2, 3)}
+    failures: list[BaseException] = []
+    clients = [AIBrixEngine(vllm_server.url, sidecar=sidecar.url, timeout=120.0) for _ in names]
+
+    def job(name: str, client: AIBrixEngine) -> None:
+        try:
+            with Publisher([client], name=name, keep=2, root=tmp_path) as pub:
+                for version in (1, 2, 3):
+                    report = pub.publish(export(models[(name, version)]), version=version)
+                    assert report.ok and report.results[0].status == "loaded", report
+                    report.settled()
+        except BaseException as exc:  # noqa: BLE001 - raised in the test's thread below
+            failures.append(exc)
+
+    threads = [threading.Thread(target=job, args=(n, c)) for n, c in zip(names, clients)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(600)
+    finally:
+        for client in clients:
+            client.close()
+    assert failures == [], failures
+    kept = {f"{n}@v{v}" for n in names for v in (2, 3)}
+    assert set(engine.list_adapters()) == kept
+    assert raw_names(vllm_server) == {request_name(n) for n in kept}
+    for n in names:
+        for v in (2, 3):
+            assert complete(vllm_server, request_name(f"{n}@v{v}"), list(PROMPTS[1])) == reference(models[(n, v)], list(PROMPTS[1]))
+    runs = [p for p in tmp_path.iterdir() if p.is_dir()]
+    assert {p.name for p in runs} >= set(names)  # each job's versions under its own name and run
+
+
+@pytest.mark.vllm
 def test_the_sidecars_unload_answer_is_not_believed(engine: AIBrixEngine, vllm_server: VLLMServer, sidecar: AIBrixSidecar, tmp_path: Path) -> None:
     # aibrix 0.8.0 answers 200 "success" to an unload vLLM refused; lorasync asks vLLM.
     answer = httpx.post(f"{sidecar.url}/v1/lora_adapter/unload", json={"lora_name": "never_loaded_here"}, timeout=30)
