@@ -1,23 +1,22 @@
 """Publisher: deliver one adapter version to many engines, safely, step after step.
 
-Per engine, concurrently, the critical path: pre-flight (capabilities, the engine's own rules,
-capacity) → choose a transport (:mod:`lorasync.publisher._select`) → deliver (a disk publish hashes in its
-write pass: :mod:`lorasync.publisher._digest`) → optional verify. Then, by default after ``publish``
-returned (:mod:`lorasync.publisher._aftercare`): re-list, retire versions outside the retention window once
-their requests drained (:mod:`lorasync.publisher._retention`), collect the run's files nothing may read
-again (:mod:`lorasync.publisher._files`). Invariants:
+Per engine, concurrently, the critical path: pre-flight (capabilities, the engine's own rules, capacity)
+→ choose a transport (:mod:`lorasync.publisher._select`) → deliver (a disk publish hashes in its write
+pass: :mod:`lorasync.publisher._digest`) → optional verify. Then, by default after ``publish`` returned
+(:mod:`lorasync.publisher._aftercare`): re-list, retire versions outside the retention window once their
+requests drained (:mod:`lorasync.publisher._retention`), collect the run's files nothing may read again
+(:mod:`lorasync.publisher._files`). Invariants:
 
 * Versions are monotonic per (engine, name): an older version never replaces a newer one, and a
   version that concurrent publishers already superseded is taken out of service again.
-* Identical content already served moves no bytes.
-* A failure on one engine never blocks or changes the others, whatever it raised; a failed load
-  or verify leaves the engine's previous version serving. The report says exactly what happened.
-* A version with running or waiting requests is never unloaded (it is ``deferred``), a pinned
-  one never, and a version's files outlive every engine that may reload them.
+* A failure on one engine never blocks or changes the others, whatever it raised; a failed load or verify
+  leaves the engine's previous version serving. The report says exactly what happened.
+* A version with running or waiting requests is never unloaded (it is ``deferred``), a pinned one never,
+  and a version's files outlive every engine that may reload them. Identical content served moves no bytes.
 * Every publisher owns its own run of versions in the store: two jobs or a re-run never collide.
-* No call hangs (:mod:`lorasync.runtime._lifecycle`): a blocking call where it would deadlock, a call
-  after ``close`` or in a forked child, each is a typed error; ``close`` fails the calls waiting
-  for the lock at once and lets the one in flight finish.
+* No call hangs (:mod:`lorasync.runtime._lifecycle`): a blocking call where it would deadlock, a call after
+  ``close`` or in a forked child, each is a typed error; ``close`` fails the calls waiting for the lock at
+  once and lets the one in flight finish (a cancelled delivery or withdrawal runs to its end: ``finish``).
 """
 
 from __future__ import annotations
@@ -38,6 +37,7 @@ from lorasync.publisher._digest import PublishDigest, watch_optimizer_steps
 from lorasync.publisher._files import VersionFiles
 from lorasync.publisher._handle import EngineHandle
 from lorasync.runtime._lifecycle import async_entry, blocking
+from lorasync.runtime._loop import finish
 from lorasync.runtime._looplock import held
 from lorasync.adapter._names import served_name, validate_name, validate_version
 from lorasync.adapter._probe import Probe
@@ -48,7 +48,7 @@ from lorasync.publisher._session import PublisherLife, refuse_duplicates
 from lorasync.engines._engine import Capabilities, Engine
 from lorasync.engines._registry import engine_list
 from lorasync.errors import AdapterAlreadyLoadedError, ConfigError, VerificationError
-from lorasync.transports._transport import Transport, finish
+from lorasync.transports._transport import Transport
 from lorasync.transports._base_weights import BaseWeights
 from lorasync.transports._store import DiskStore
 from lorasync.transports.disk import DiskTransport

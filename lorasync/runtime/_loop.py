@@ -28,12 +28,12 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 from lorasync.errors import PublisherClosedError
 
-__all__ = ["UNWIND_S", "DaemonPool", "LoopThread", "to_thread", "to_thread_pool", "to_thread_untracked", "tracked_calls"]
+__all__ = ["UNWIND_S", "DaemonPool", "LoopThread", "finish", "to_thread", "to_thread_pool", "to_thread_untracked", "tracked_calls"]
 
 T = TypeVar("T")
 
@@ -324,3 +324,26 @@ def _serve(loop: asyncio.AbstractEventLoop) -> None:
 
 
 os.register_at_fork(after_in_child=_SHARED.after_fork)
+
+
+async def finish(awaitable: Awaitable[T]) -> T:
+    """Await ``awaitable`` to its end even if the caller is cancelled meanwhile; a cancel that
+    arrived is raised (``CancelledError``) once it has finished.
+
+    Raises:
+        asyncio.CancelledError: the caller was cancelled while it ran (it did complete).
+        Exception: whatever ``awaitable`` raised.
+    """
+    task = asyncio.ensure_future(awaitable)
+    cancelled = False
+    while True:
+        try:
+            result = await asyncio.shield(task)
+            break
+        except asyncio.CancelledError:
+            if task.done():  # the work itself was cancelled, not just the caller
+                raise
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    return result

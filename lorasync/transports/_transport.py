@@ -7,18 +7,14 @@ drives many engines at once; they hold no per-publish state beyond what they doc
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Awaitable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar, TypeVar
+from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
     from lorasync.adapter._adapter import Adapter
     from lorasync.engines._engine import Capabilities, Engine
 
-__all__ = ["Delivery", "Transport", "finish"]
-
-T = TypeVar("T")
+__all__ = ["Delivery", "Transport"]
 
 
 @dataclass
@@ -51,26 +47,3 @@ class Transport:
     async def retire(self, engine: Engine, *, name: str, version: int, served: str) -> None:
         """Stop ``engine`` serving an old version (files are the publisher's business)."""
         await engine.aunload_adapter(served)
-
-
-async def finish(awaitable: Awaitable[T]) -> T:
-    """Await ``awaitable`` to its end even if the caller is cancelled meanwhile; a cancel that
-    arrived is raised (``CancelledError``) once it has finished.
-
-    Raises:
-        asyncio.CancelledError: the caller was cancelled while it ran (it did complete).
-        Exception: whatever ``awaitable`` raised.
-    """
-    task = asyncio.ensure_future(awaitable)
-    cancelled = False
-    while True:
-        try:
-            result = await asyncio.shield(task)
-            break
-        except asyncio.CancelledError:
-            if task.done():  # the work itself was cancelled, not just the caller
-                raise
-            cancelled = True
-    if cancelled:
-        raise asyncio.CancelledError
-    return result

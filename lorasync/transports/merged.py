@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lorasync.runtime._loop import finish as _finish
 from lorasync.transports._transport import Delivery, Transport
-from lorasync.transports._transport import finish as _finish
 from lorasync.transports._base_weights import BaseWeights
 from lorasync.transports._fold import SharedFold, fold_buckets
 from lorasync.transports._snapshot import owned_copy
