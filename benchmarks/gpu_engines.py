@@ -227,17 +227,22 @@ def _merged(h: Any, base_model: Any, base_dir: Path, engine: Any, tmp: Path, pro
     out: dict[str, Any] = {"adapter_bytes": adapter.nbytes, "fold": [], "fold_gpu_base": [], "every_param": [], "fold_bytes": None}
     # W0 from the trainer's own frozen base on the GPU (BaseWeights.from_model): nothing read from
     # disk or the host. Its block runs first and restores the base before the checkpoint's block.
-    live = Publisher([engine], name="merged-live", transport="merged", root=tmp / "live", base=BaseWeights.from_model(model))
-    try:
-        for i in range(reps):
-            adapter = _next_adapter(model)
-            start = time.perf_counter()
-            live.publish(adapter, version=i + 1).raise_for_errors()
-            engine.generate(prompt, model=SERVED_BASE, max_tokens=1, logprobs=None)
-            out["fold_gpu_base"].append(time.perf_counter() - start)
-    finally:
-        live.restore_base()
-        live.close()
+    # The same with the pre-2026-12-07 default bucket (256 MiB) for the comparison: each bucket
+    # is one weight-update call into the engine, whatever its size.
+    out["fold_gpu_base_256MiB"] = []
+    for key, buckets in (("fold_gpu_base", None), ("fold_gpu_base_256MiB", 256 << 20)):
+        live = Publisher([engine], name="merged-live", transport="merged", root=tmp / f"live-{key}", base=BaseWeights.from_model(model), bucket_bytes=buckets)
+        try:
+            for i in range(reps):
+                adapter = _next_adapter(model)
+                start = time.perf_counter()
+                report = live.publish(adapter, version=i + 1).raise_for_errors()
+                engine.generate(prompt, model=SERVED_BASE, max_tokens=1, logprobs=None)
+                out[key].append(time.perf_counter() - start)
+                out[f"{key}_load_s"] = out.get(f"{key}_load_s", []) + [report.results[0].timings.get("load")]
+        finally:
+            live.restore_base()
+            live.close()
     pub = Publisher([engine], name="merged", transport="merged", root=tmp, base=base_dir)
     try:
         for i in range(reps):
@@ -347,6 +352,8 @@ def table(results: dict[str, Any]) -> str:
                 f"| merged, lorasync fold (adapted weights), W0 from the base checkpoint | {(merged['fold_bytes'] or 0) / 1e9:.2f} GB | {_ms(statistics.median(merged['fold']))} |",
                 f"| merged, lorasync fold, W0 the trainer's GPU base (`BaseWeights.from_model`) | {(merged['fold_bytes'] or 0) / 1e9:.2f} GB | "
                 f"{_ms(statistics.median(merged['fold_gpu_base'])) if merged.get('fold_gpu_base') else '-'} |",
+                f"| the same in 256 MiB buckets (the default before 2026-12-07) | {(merged['fold_bytes'] or 0) / 1e9:.2f} GB | "
+                f"{_ms(statistics.median(merged['fold_gpu_base_256MiB'])) if merged.get('fold_gpu_base_256MiB') else '-'} |",
                 f"| merged, every parameter (TRL GRPOTrainer) | {merged['every_param_bytes'] / 1e9:.2f} GB | {_ms(statistics.median(merged['every_param']))} |",
                 "",
             ]

@@ -54,7 +54,7 @@ from lorasync.transports._store import DiskStore
 from lorasync.transports.disk import DiskTransport
 from lorasync.transports.inplace import InPlaceTransport
 from lorasync.transports.ipc import IPCTransport
-from lorasync.transports.merged import DEFAULT_BUCKET_BYTES, MergedTransport
+from lorasync.transports.merged import MergedTransport
 
 __all__ = ["Publisher"]
 
@@ -80,7 +80,7 @@ class Publisher(PublisherLife):
             collide. Pass the same run to resume after a restart.
         base (`BaseWeights | str | os.PathLike`, *optional*): pristine base weights (a HF
             checkpoint dir or ``BaseWeights``); enables the merged fallback.
-        bucket_bytes (`int`): merged fallback bucket size.
+        bucket_bytes (`int`, *optional*): merged bucket size; default 1 GiB folded on a GPU, else 256 MiB.
         verify (`Probe`, *optional*): default probe checked after every load.
         in_place (`bool`): serve every version under the plain ``name``, swapped atomically, on
             engines that support it safely (``capabilities().load_inplace``; the in-process PEFT
@@ -108,7 +108,7 @@ class Publisher(PublisherLife):
         root: str | os.PathLike[str] | None = None,
         run: str | None = None,
         base: BaseWeights | str | os.PathLike[str] | None = None,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        bucket_bytes: int | None = None,
         verify: Probe | None = None,
         in_place: bool = False,
         grace: float = 1.0,
@@ -128,7 +128,7 @@ class Publisher(PublisherLife):
         self.retention = retention or Retention(keep=keep, grace=grace, drain_timeout=drain_timeout, max_deferred=max_deferred, max_staleness=max_staleness)
         if not isinstance(in_place, bool):
             raise ConfigError(f"in_place must be True or False, got {in_place!r}")
-        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+        if bucket_bytes is not None and (isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1):
             raise ConfigError(f"bucket_bytes must be an int >= 1 (bytes per merged-update bucket), got {bucket_bytes!r}")
         if verify is not None and not isinstance(verify, Probe):
             raise ConfigError(f"verify must be a lorasync.Probe (Probe.from_model(...)) or None, got {type(verify).__name__}")

@@ -25,7 +25,7 @@ import torch
 
 from _gpu_helpers import digest
 
-from lorasync.engines import vllm_worker
+from lorasync.engines.vllm import worker as vllm_worker  # its private helpers; lorasync.engines.vllm_worker is the public alias
 from lorasync.engines.vllm_worker import LoraSyncWorkerExtension
 from lorasync.wire import cuda_ipc
 from lorasync.wire.cuda_ipc import import_tensors
