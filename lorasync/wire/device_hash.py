@@ -53,6 +53,14 @@ def _lsr(z: torch.Tensor, k: int) -> torch.Tensor:
 
 def _chunks(tensors: Iterable[torch.Tensor], limit: int) -> Iterator[torch.Tensor]:
     """The tensors' bytes, each padded to 8, gathered into int64 buffers of about ``limit`` bytes."""
+    tensors = list(tensors)
+    dtypes = {t.dtype for t in tensors}
+    if len(dtypes) == 1 and not next(iter(dtypes)).is_complex and all(t.numel() * t.element_size() % 8 == 0 for t in tensors):
+        # One dtype and no padding (every adapter lorasync exports): the gather runs in one C++
+        # call per chunk instead of four tensor ops per tensor in Python, which were most of the
+        # GPU hash's time for an adapter of 504 small tensors (the bytes cross in well under 0.1 ms).
+        yield from _same_dtype_chunks(tensors, limit)
+        return
     pieces: list[torch.Tensor] = []
     size = 0
     for t in tensors:
@@ -68,6 +76,16 @@ def _chunks(tensors: Iterable[torch.Tensor], limit: int) -> Iterator[torch.Tenso
             pieces, size = [], 0
     if pieces:
         yield torch.cat(pieces).view(torch.int64)
+
+
+def _same_dtype_chunks(tensors: list[torch.Tensor], limit: int) -> Iterator[torch.Tensor]:
+    start, size = 0, 0
+    for i, t in enumerate(tensors):
+        size += t.numel() * t.element_size()
+        if size >= limit or i == len(tensors) - 1:
+            with torch.no_grad():  # a trainer's parameters: the gather is not part of any graph
+                yield torch._C._nn.flatten_dense_tensors(tensors[start : i + 1]).view(torch.int64)
+            start, size = i + 1, 0
 
 
 def torch_lanes(words: torch.Tensor, offset: int) -> torch.Tensor:

@@ -37,6 +37,24 @@ def test_lanes_do_not_depend_on_the_chunking() -> None:
         assert device_hash.lanes(t, chunk_bytes=chunk) == whole
 
 
+def test_one_dtype_without_padding_gives_the_general_gathers_lanes() -> None:
+    # Every adapter lorasync exports is one dtype with no padding: gathered in one C++ call per
+    # chunk. The words must be those of the per-tensor gather, whatever the layout and chunking.
+    g = torch.Generator().manual_seed(3)
+    tensors = [
+        torch.randn(8, 16, generator=g).to(torch.bfloat16).requires_grad_(),  # a trainer's parameter
+        torch.randn(16, 4, generator=g).to(torch.bfloat16).t(),  # not contiguous
+        torch.randn(4, generator=g).to(torch.bfloat16),
+        torch.randn(64, 8, generator=g).to(torch.bfloat16)[::2],  # a strided view
+    ]
+    words = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors]).view(torch.int64)
+    expected = device_hash.torch_lanes(words, 0).tolist()
+    expected = (expected[0] & (2**64 - 1), expected[1] & (2**64 - 1))
+    for chunk in (1, 8, 40, 256, 1 << 20):
+        assert device_hash.lanes(tensors, chunk_bytes=chunk) == expected
+    assert device_hash.lanes(iter(tensors)) == expected  # any iterable, as Adapter hands them
+
+
 @settings(max_examples=60, deadline=None)
 @given(which=st.integers(0, 5), position=st.integers(0, 10_000), bit=st.integers(0, 7))
 def test_any_flipped_bit_changes_the_lanes(which: int, position: int, bit: int) -> None:
