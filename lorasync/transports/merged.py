@@ -45,7 +45,7 @@ __all__ = ["DEFAULT_BUCKET_BYTES", "GPU_BUCKET_BYTES", "MergedTransport"]
 
 DEFAULT_BUCKET_BYTES = 256 * 1024 * 1024
 #: Buckets folded on a GPU. Each bucket costs the engine one weight-update call (an RPC and vLLM's
-#: reload pass) whatever its size: about 45-65 ms on an H100 with the Qwen3-8B shape (2026-12-07),
+#: reload pass) whatever its size: about 40-60 ms on an H100 with the Qwen3-8B shape (2026-12-07),
 #: where the bytes of a 256 MiB bucket cross device to device in well under 1 ms. The 13.9 GB fold
 #: took 3.1-4.3 s in 256 MiB buckets against 0.67-0.84 s for every parameter in 1 GiB ones (TRL's
 #: bucket). Peak extra GPU memory stays about two buckets.
