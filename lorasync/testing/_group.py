@@ -112,8 +112,8 @@ class GroupProcess:
                         try:
                             if ready(client):
                                 return
-                        except (httpx.HTTPError, ValueError, AttributeError):
-                            pass  # not up yet, or not answering as it will
+                        except (httpx.HTTPError, ValueError, TypeError, KeyError, AttributeError):
+                            pass  # not up yet, or not answering as it will (a body of another shape)
                     if time.monotonic() > deadline:
                         raise EngineTimeoutError(f"{what} at {url} was not {waiting_for} within {timeout:.0f} s; its log: {self.log_tail()}")
                     time.sleep(poll)

@@ -36,6 +36,13 @@ class BaseWeights:
         # from_model: the model's LoRA layers, weakly (the tensors are the model's own, live).
         self._lora_layers: list[tuple[str, weakref.ref[torch.nn.Module]]] = []
 
+    @property
+    def device(self) -> torch.device | None:
+        """The one device every tensor it holds lives on (a trainer's base: often a GPU), or
+        ``None`` (read from a checkpoint, or spread over devices): where a fold runs by default."""
+        devices = {t.device for t in self._tensors.values()}
+        return devices.pop() if len(devices) == 1 and not self._files else None
+
     def check_pristine(self) -> None:
         """Whether the weights are still the pristine base, checked at every fold.
 

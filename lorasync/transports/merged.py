@@ -95,9 +95,11 @@ class MergedTransport(Transport):
         return None
 
     def _bucket_bytes(self, device: str | torch.device | None) -> int:
+        """The bucket for a fold on ``device`` (None: where W0 is, as the fold itself decides)."""
         if self.bucket_bytes is not None:
             return self.bucket_bytes
-        return GPU_BUCKET_BYTES if device is not None and torch.device(device).type == "cuda" else DEFAULT_BUCKET_BYTES
+        where = torch.device(device) if device is not None else self.base.device
+        return GPU_BUCKET_BYTES if where is not None and where.type == "cuda" else DEFAULT_BUCKET_BYTES
 
     def unsupported(self, caps: Capabilities) -> str | None:
         if not caps.weight_update:

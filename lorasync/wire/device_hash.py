@@ -84,7 +84,13 @@ def _same_dtype_chunks(tensors: list[torch.Tensor], limit: int) -> Iterator[torc
         size += t.numel() * t.element_size()
         if size >= limit or i == len(tensors) - 1:
             with torch.no_grad():  # a trainer's parameters: the gather is not part of any graph
-                yield torch._C._nn.flatten_dense_tensors(tensors[start : i + 1]).view(torch.int64)
+                flat = torch._C._nn.flatten_dense_tensors(tensors[start : i + 1])
+            if i == start:
+                # One tensor alone is handed back as a view of itself, which may start at an offset
+                # no 8-byte word view can take (a slice of a bigger buffer), or carry a lazy
+                # negation: a copy of its plain bytes, as the general gather makes.
+                flat = flat.resolve_neg().clone()
+            yield flat.view(torch.int64)
             start, size = i + 1, 0
 
 

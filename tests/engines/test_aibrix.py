@@ -194,42 +194,52 @@ def test_a_trainer_run_through_the_sidecar_serves_every_version_exactly(
 def test_two_jobs_on_one_host_publish_through_one_sidecar_and_each_keeps_only_its_own(
     engine: AIBrixEngine, vllm_server: VLLMServer, sidecar: AIBrixSidecar, tmp_path: Path
 ) -> None:
-    # Two trainers on one host (one root, each its own run), one vLLM behind one sidecar, publishing
-    # at the same time: every version each job reports serves its own weights, and each job's
-    # retention unloads only its own versions, never the other's.
+    # Two trainers on one host (one root, each its own run), one vLLM behind one sidecar: they
+    # publish the same step numbers at the same time, then one retires while the other has not
+    # moved on. Every version each job reports serves its own weights, and each job's retention
+    # unloads only its own versions, never the other's (not even its same-numbered one).
     names = ("job-a", "job-b")
     models = {(n, v): trained(seed=80 + 10 * i + v) for i, n in enumerate(names) for v in (1, 2, 3)}
+    clients = {n: AIBrixEngine(vllm_server.url, sidecar=sidecar.url, timeout=120.0) for n in names}
+    pubs = {n: Publisher([clients[n]], name=n, keep=2, root=tmp_path) for n in names}
+    together = threading.Barrier(len(names))
     failures: list[BaseException] = []
-    clients = [AIBrixEngine(vllm_server.url, sidecar=sidecar.url, timeout=120.0) for _ in names]
 
-    def job(name: str, client: AIBrixEngine) -> None:
+    def publish(name: str, version: int) -> None:
+        report = pubs[name].publish(export(models[(name, version)]), version=version)
+        assert report.ok and report.results[0].status == "loaded", report
+        report.settled()
+
+    def steps(name: str) -> None:
         try:
-            with Publisher([client], name=name, keep=2, root=tmp_path) as pub:
-                for version in (1, 2, 3):
-                    report = pub.publish(export(models[(name, version)]), version=version)
-                    assert report.ok and report.results[0].status == "loaded", report
-                    report.settled()
+            for version in (1, 2):
+                together.wait(120)  # both jobs' publishes of this step run at once
+                publish(name, version)
         except BaseException as exc:  # noqa: BLE001 - raised in the test's thread below
             failures.append(exc)
+            together.abort()
 
-    threads = [threading.Thread(target=job, args=(n, c)) for n, c in zip(names, clients)]
     try:
+        threads = [threading.Thread(target=steps, args=(n,)) for n in names]
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join(600)
+        assert not any(t.is_alive() for t in threads) and failures == [], failures
+        assert set(engine.list_adapters()) == {f"{n}@v{v}" for n in names for v in (1, 2)}
+        publish("job-a", 3)  # job-a retires its v1; job-b has not published v3 yet
+        assert set(engine.list_adapters()) == {"job-a@v2", "job-a@v3", "job-b@v1", "job-b@v2"}
+        publish("job-b", 3)
     finally:
-        for client in clients:
-            client.close()
-    assert failures == [], failures
+        for name in names:
+            pubs[name].close()
+            clients[name].close()
     kept = {f"{n}@v{v}" for n in names for v in (2, 3)}
     assert set(engine.list_adapters()) == kept
     assert raw_names(vllm_server) == {request_name(n) for n in kept}
     for n in names:
         for v in (2, 3):
             assert complete(vllm_server, request_name(f"{n}@v{v}"), list(PROMPTS[1])) == reference(models[(n, v)], list(PROMPTS[1]))
-    runs = [p for p in tmp_path.iterdir() if p.is_dir()]
-    assert {p.name for p in runs} >= set(names)  # each job's versions under its own name and run
 
 
 @pytest.mark.vllm

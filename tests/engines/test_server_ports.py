@@ -232,3 +232,29 @@ def test_start_all_stops_every_server_when_one_fails() -> None:
         start_all(servers)  # type: ignore[arg-type]
     assert [s.running for s in servers] == [False, False, False]
     assert all(s.stops == 1 for s in servers)
+
+
+_ANSWERING = r'''
+import sys, http.server
+port, body = int(sys.argv[1]), sys.argv[2].encode()
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body))); self.end_headers(); self.wfile.write(body)
+    def log_message(self, *a): pass
+http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+'''
+
+
+@pytest.mark.parametrize("body", ["[]", '{"urls": null}', '{"urls": 7}', '{"urls": [1]}', "not json"])
+def test_a_helper_answering_in_another_shape_is_a_typed_timeout_and_its_group_stops(body: str) -> None:
+    # A router answering its worker list in a shape it never has (another service on the port, a
+    # version that changed it) is "not ready yet" until the deadline: a typed error, nothing left running.
+    from lorasync.errors import EngineTimeoutError
+    from lorasync.testing.vllm_router import VLLMRouterProcess
+
+    router = VLLMRouterProcess(["http://127.0.0.1:9"], startup_timeout=1.5)
+    router.command = lambda: [sys.executable, "-c", _ANSWERING, str(router.port), body]  # type: ignore[method-assign]
+    with pytest.raises(EngineTimeoutError, match="listing its workers"):
+        router.start()
+    assert router._proc is None

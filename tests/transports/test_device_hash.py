@@ -55,6 +55,21 @@ def test_one_dtype_without_padding_gives_the_general_gathers_lanes() -> None:
     assert device_hash.lanes(iter(tensors)) == expected  # any iterable, as Adapter hands them
 
 
+def test_a_tensor_alone_in_its_chunk_hashes_whatever_its_offset_or_lazy_negation() -> None:
+    # A slice of a bigger buffer at an odd 2-byte offset (a packed buffer, a fused factor split per
+    # module), alone in its chunk (>= the chunk size, the last of a chunk, or the only tensor): the
+    # one-dtype gather hands back a view of it, which no word view can take as it is.
+    g = torch.Generator().manual_seed(5)
+    flat = torch.randn(1000, generator=g).to(torch.bfloat16)
+    alone = flat[1:9]
+    negated = torch._neg_view(flat[16:24])  # a lazy negation: its bytes are the negated values
+    for tensors in ([alone], [flat[1 + 16 * i : 9 + 16 * i] for i in range(4)], [negated], [alone, negated]):
+        plain = [t.detach().resolve_neg().contiguous().reshape(-1).view(torch.uint8) for t in tensors]
+        expected = device_hash.torch_lanes(torch.cat(plain).view(torch.int64), 0).tolist()
+        for chunk in (1, 8, 64, device_hash.CHUNK_BYTES):
+            assert device_hash.lanes(tensors, chunk_bytes=chunk) == (expected[0] & (2**64 - 1), expected[1] & (2**64 - 1))
+
+
 @settings(max_examples=60, deadline=None)
 @given(which=st.integers(0, 5), position=st.integers(0, 10_000), bit=st.integers(0, 7))
 def test_any_flipped_bit_changes_the_lanes(which: int, position: int, bit: int) -> None:

@@ -124,3 +124,38 @@ def test_a_merged_publish_from_a_model_merged_meanwhile_fails_and_the_engine_kee
         report = pub.publish(export(peft), version=2)
         assert not report.ok and "unmerge" in str(report.results[0].error)
         assert engine.weights.keys() == served.keys() and all(torch.equal(engine.weights[k], served[k]) for k in served)
+
+
+def test_a_fold_on_a_gpu_pushes_1_gib_buckets_wherever_that_is_decided(monkeypatch) -> None:
+    # Each bucket is one weight-update call into the engine (40-60 ms on an H100 whatever its
+    # size): a fold on a GPU pushes 1 GiB buckets, whether the GPU is named, is the adapter's or is
+    # where W0 lives (the trainer's base: restore and rollback fold no adapter at all); a host fold
+    # keeps 256 MiB; an explicit size wins. No GPU here: the base reports CUDA through fake tensors.
+    import asyncio
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import lorasync.transports.merged as merged
+    from lorasync.engines._engine import Capabilities
+    from tests.support.adapters import MODULES, tiny_adapter
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        gpu_base = BaseWeights.from_tensors({f"{m}.weight": torch.empty(16, 16, device="cuda") for m in MODULES})
+    host_base = BaseWeights.from_tensors({f"{m}.weight": torch.zeros(16, 16) for m in MODULES})
+    seen: list[int] = []
+    monkeypatch.setattr(merged, "fold_buckets", lambda *a, bucket_bytes, **k: seen.append(bucket_bytes) or iter(()))
+
+    class Engine:
+        instance_id = "e"
+
+        async def aupdate_weights(self, bucket):  # pragma: no cover - no bucket is folded
+            pass
+
+    caps = Capabilities(engine="fake", weight_update=True)
+    for base, size, want in ((gpu_base, None, merged.GPU_BUCKET_BYTES), (host_base, None, merged.DEFAULT_BUCKET_BYTES), (gpu_base, 1 << 20, 1 << 20)):
+        transport = merged.MergedTransport(base, bucket_bytes=size)
+        seen.clear()
+        asyncio.run(transport._push(Engine(), None, set(MODULES), caps))  # restore / rollback to W0
+        asyncio.run(transport._push(Engine(), tiny_adapter(1), set(), caps))  # a host adapter onto that base
+        assert seen == [want, want], (base.device, size, seen)
+    assert merged.MergedTransport(host_base, device="cuda")._bucket_bytes("cuda") == merged.GPU_BUCKET_BYTES
