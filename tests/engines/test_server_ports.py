@@ -246,14 +246,14 @@ http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
 '''
 
 
-@pytest.mark.parametrize("body", ["[]", '{"urls": null}', '{"urls": 7}', '{"urls": [1]}', "not json"])
+@pytest.mark.parametrize("body", ["[]", '{"urls": null}', '{"urls": [1]}'])
 def test_a_helper_answering_in_another_shape_is_a_typed_timeout_and_its_group_stops(body: str) -> None:
     # A router answering its worker list in a shape it never has (another service on the port, a
     # version that changed it) is "not ready yet" until the deadline: a typed error, nothing left running.
     from lorasync.errors import EngineTimeoutError
     from lorasync.testing.vllm_router import VLLMRouterProcess
 
-    router = VLLMRouterProcess(["http://127.0.0.1:9"], startup_timeout=1.5)
+    router = VLLMRouterProcess(["http://127.0.0.1:9"], startup_timeout=1.0)
     router.command = lambda: [sys.executable, "-c", _ANSWERING, str(router.port), body]  # type: ignore[method-assign]
     with pytest.raises(EngineTimeoutError, match="listing its workers"):
         router.start()
