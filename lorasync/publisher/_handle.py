@@ -225,6 +225,7 @@ class EngineHandle:
                 RetentionWarning,
                 stacklevel=4,
             )
+        self.leaks.forced_out(served_name(self.name, v) for v, _ in decision.forced)
         retired = await self.unload(ledger, decision.unload)
         return retired, [served_name(self.name, v) for v in decision.deferred]
 

@@ -18,8 +18,10 @@ of its own. It looks where the engine lets it:
 
 Every name held is reported once with a :class:`~lorasync.errors.SlotLeakWarning` that says what
 to do, and the capacity planner counts it as occupied until the engine stops reporting it (a
-name with requests only, e.g. one retired by force while a request runs, is not a leak unless a
-later check still sees it).
+name with requests only is not a leak unless a later check still sees it; one that retention
+unloaded by force while requests used it is never reported for its requests alone: its
+``RetentionWarning`` already said so, and the engine serving those requests on is what a forced
+unload means. It stays occupied for capacity until they end).
 """
 
 from __future__ import annotations
@@ -56,6 +58,12 @@ class SlotLeaks:
         self.freed: list[str] = []  # suspects the last check found gone
         self._busy: set[str] = set()  # retired names seen with requests once (not yet suspects)
         self._reported: set[str] = set()
+        self._forced: set[str] = set()  # unloaded by retention while requests used them
+
+    def forced_out(self, names: Iterable[str]) -> None:
+        """Retention unloads ``names`` while requests may still use them: their requests going on
+        afterwards is the forced unload itself, not a slot the engine kept."""
+        self._forced |= set(names)
 
     @property
     def watching(self) -> bool:
@@ -66,7 +74,7 @@ class SlotLeaks:
         """lorasync loaded ``name`` again after retiring it (a fleet restores a version that a
         failed or cancelled retire/remove_engine had unloaded): the engine holds it because it was
         asked to, not because its unload kept it, so it is no longer judged."""
-        for names in (self.pending, self.suspects, self._busy, self._reported):
+        for names in (self.pending, self.suspects, self._busy, self._reported, self._forced):
             names.discard(name)
 
     async def check(
@@ -96,12 +104,13 @@ class SlotLeaks:
             return frozenset()
         sure = names & (set(listed or ()) | held)
         lingering = (names & set(busy or ())) - sure
-        persistent = lingering & self._busy  # seen with requests at two checks in a row
+        persistent = lingering & (self._busy | self.suspects)  # seen with requests at two checks in a row (or more)
         self.freed = sorted(self.suspects - sure - persistent)
         self.suspects = sure | persistent
         self._busy = lingering - persistent
         self.pending = set()
-        report = sorted(self.suspects - self._reported)
+        self._forced &= self.suspects | self._busy  # judged like any other name once its requests ended
+        report = sorted(self.suspects - self._reported - (persistent & self._forced))
         if report:
             self._reported.update(report)
             warnings.warn(
