@@ -30,6 +30,12 @@ def stop_group(proc: subprocess.Popen[bytes], timeout: float) -> None:
     if proc.poll() is None or group_alive(proc.pid):
         signal_group(proc.pid, signal.SIGKILL)
         proc.wait(10.0)
+        # killpg returns once the signal is sent, not once the members are gone: on a loaded host a
+        # member may still run for a moment, and whoever stops a helper expects its ports and files
+        # free when this returns.
+        deadline = time.monotonic() + 10.0
+        while group_alive(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
 
 
 def signal_group(pgid: int, sig: int) -> None:
