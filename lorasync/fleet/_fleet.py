@@ -131,7 +131,9 @@ class Fleet(FleetEngines, Closing):
     @blocking("await fleet.aretire(name)")
     def retire(self, name: str, *, timeout: float | None = None) -> list[str]:
         """End a tenant: unload every version of it on every engine once its requests drained,
-        then delete its files. The name may then be registered again (a new registration).
+        then delete its files. The name may then be registered again (a new registration). A
+        version unloaded at the timeout that an engine still re-reads for a running request (vLLM)
+        keeps its files, and with them its run, until this process ends (as retention keeps them).
 
         Args:
             name (`str`): the tenant.

@@ -156,22 +156,34 @@ async def unload_drained(tenant: Tenant, engine: Engine, *, since: float, force:
     leased = pub.pinned  # leases taken before the retirement began drain like requests
     waiting = busy is None and not handle.drains and time.monotonic() - since < pub.retention.grace
     free = [] if waiting else [v for v in ledger.versions if v not in leased and (busy is None or served_name(tenant.name, v) not in busy)]
+    forced: list[int] = []
     if force and len(free) < len(ledger.versions):
+        forced = [v for v in ledger.versions if v not in free]
         free = list(ledger.versions)
         warnings.warn(f"retiring {tenant.name}: {', '.join(served_name(tenant.name, v) for v in free)} on {where(engine)} unloaded although requests or leases still used them (timeout)", RetentionWarning, stacklevel=3)
-    gone = await handle.unload(ledger, free)
+    gone = await handle.unload(ledger, free, forced=forced)
     return gone, bool(ledger.versions)
 
 
 async def release(tenant: Tenant, engines: Sequence[Engine]) -> None:
     """The end of a retirement: the registration's files (after the grace on engines that may
     re-read them for a request they admitted), its run (folder and owner lock: every register /
-    retire cycle gives back what it took) and loop. The engines stay open."""
+    retire cycle gives back what it took) and loop. The engines stay open.
+
+    A version that an engine which re-reads files still reports requests on (unloaded by force at
+    the timeout) or still holds keeps its files, as retention keeps them: with them the run and
+    its lock stay until this process ends, and a later publisher's sweep collects them then."""
     pub = tenant.publisher
     await pub._disk.settle()  # a round cancelled mid-write: that write ends before the run goes
-    if any(pub._handles[id(e)].reloads for e in engines):
+    readers = [pub._handles[id(e)] for e in engines if pub._handles[id(e)].reloads]
+    still: set[str] = set()
+    if readers:
         await asyncio.sleep(pub.retention.grace)
+        for handle in readers:  # None (requests unknown): the grace above was the fallback
+            still |= set(await handle.in_use() or ()) | handle.leaks.suspects
     for version in await asyncio.to_thread(pub.store.versions, tenant.name):
+        if served_name(tenant.name, version) in still:
+            continue
         with contextlib.suppress(LoraSyncError):
             await asyncio.to_thread(pub.store.remove, tenant.name, version)
     with contextlib.suppress(LoraSyncError):  # what could not be removed keeps the run (and its lock)

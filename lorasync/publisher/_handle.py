@@ -204,7 +204,7 @@ class EngineHandle:
         await self._recheck_leaks(listed=listing)
         early = plan_room(
             self.name, ledger, policy, pins, caps,
-            loaded=sorted(set(listing) | self.leaks.suspects), busy=await self.in_use(), kept=self.leaks.suspects, where=self.where, planned=planned,
+            loaded=sorted(set(listing) | self.leaks.suspects), busy=await self.in_use(), kept=self.leaks.kept, where=self.where, planned=planned,
         )
         return await self.unload(ledger, early)
 
@@ -225,12 +225,14 @@ class EngineHandle:
                 RetentionWarning,
                 stacklevel=4,
             )
-        self.leaks.forced_out(served_name(self.name, v) for v, _ in decision.forced)
-        retired = await self.unload(ledger, decision.unload)
+        retired = await self.unload(ledger, decision.unload, forced=[v for v, _ in decision.forced])
         return retired, [served_name(self.name, v) for v in decision.deferred]
 
-    async def unload(self, ledger: Ledger, versions: list[int]) -> list[str]:
-        """Unload ``versions`` (oldest first); returns their served names."""
+    async def unload(self, ledger: Ledger, versions: list[int], *, forced: list[int] | tuple[int, ...] = ()) -> list[str]:
+        """Unload ``versions`` (oldest first); returns their served names. ``forced``: those of
+        them unloaded while requests may still use them (retention's or a retirement's timeout):
+        their requests going on is the forced unload, not a slot the engine kept."""
+        self.leaks.forced_out(served_name(self.name, v) for v in forced)
         retired = []
         for version in sorted(versions):
             served = served_name(self.name, version)

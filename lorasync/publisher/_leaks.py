@@ -21,7 +21,10 @@ to do, and the capacity planner counts it as occupied until the engine stops rep
 name with requests only is not a leak unless a later check still sees it; one that retention
 unloaded by force while requests used it is never reported for its requests alone: its
 ``RetentionWarning`` already said so, and the engine serving those requests on is what a forced
-unload means. It stays occupied for capacity until they end).
+unload means. It stays occupied for capacity until they end, but is no sign that the engine's
+unloads free nothing: :attr:`SlotLeaks.kept` leaves it out). A check at which the requests could
+not be read (``/metrics`` timed out) keeps every name seen with requests where it stood: unknown
+is not "none".
 """
 
 from __future__ import annotations
@@ -66,6 +69,13 @@ class SlotLeaks:
         self._forced |= set(names)
 
     @property
+    def kept(self) -> frozenset[str]:
+        """The suspects the engine kept although their unload answered, for no request of a forced
+        unload: evidence that its unloads may free no slot (the capacity planner then counts on
+        none). A forced-out name is occupied until its requests end, but says nothing of that."""
+        return frozenset(self.suspects - self._forced)
+
+    @property
     def watching(self) -> bool:
         """Some retired name waits to be judged or is still held."""
         return bool(self.pending or self.suspects or self._busy)
@@ -103,8 +113,15 @@ class SlotLeaks:
             log.warning("%s: cannot tell whether unloaded adapters left it (%s)", self.where, exc)
             return frozenset()
         sure = names & (set(listed or ()) | held)
-        lingering = (names & set(busy or ())) - sure
-        persistent = lingering & (self._busy | self.suspects)  # seen with requests at two checks in a row (or more)
+        if busy is None:
+            # Requests unknown at this check (the engine's report failed once, or it has none): a
+            # name already seen with requests keeps its standing until a check can tell, as a held
+            # list that could not be read keeps it above; a just-retired one is judged by the lists.
+            lingering = (self._busy | self.suspects) - sure
+            persistent = lingering & self.suspects
+        else:
+            lingering = (names & set(busy)) - sure
+            persistent = lingering & (self._busy | self.suspects)  # seen with requests at two checks in a row (or more)
         self.freed = sorted(self.suspects - sure - persistent)
         self.suspects = sure | persistent
         self._busy = lingering - persistent

@@ -67,7 +67,25 @@ def group_alive(pgid: int) -> bool:
                 fields = f.read().rsplit(b")", 1)[1].split()  # after the command, which may hold spaces
         except OSError:
             continue
-        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != b"Z":
+        if len(fields) > 2 and int(fields[2]) == pgid and (fields[0] != b"Z" or _threads_run(name)):
+            return True
+    return False
+
+
+def _threads_run(pid: str) -> bool:
+    """Whether a process whose leader thread is a zombie still runs other threads (its main thread
+    exited with ``pthread_exit`` while workers go on: ``/proc/<pid>/stat`` then says ``Z``)."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return False
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+                state = f.read().rsplit(b")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state not in (b"Z", b"X"):
             return True
     return False
 

@@ -14,8 +14,10 @@ in its own venv) in front of the real vLLM CPU server, as an AIBrix deployment d
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -529,6 +531,44 @@ def test_a_stopped_helper_leaves_no_member_of_its_group_running(tmp_path: Path) 
     helper.stop(timeout=1.0)  # the leader exits on SIGTERM; the member is killed
     assert not group_alive(pgid)
     helper.stop()  # again: nothing to do
+
+
+def test_a_member_whose_main_thread_exited_is_still_stopped(tmp_path: Path) -> None:
+    # Its main thread left with pthread_exit while a worker thread ran on: /proc/<pid>/stat says
+    # "Z", and the group was taken for gone without a SIGKILL (found by an outside attack).
+    import subprocess
+    import sys
+
+    from lorasync.testing._group import group_alive, stop_group
+
+    marker = tmp_path / "beats"
+    member = (
+        "import ctypes, signal, sys, threading, time\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "def work():\n"
+        "    while True:\n"
+        "        with open(sys.argv[1], 'a') as f:\n"
+        "            f.write('x')\n"
+        "        time.sleep(0.05)\n"
+        "threading.Thread(target=work).start()\n"
+        "time.sleep(0.3)\n"
+        "ctypes.CDLL(None).pthread_exit(None)\n"
+    )
+    leader = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {member!r}, {str(marker)!r}]); time.sleep(120)"
+    proc = subprocess.Popen([sys.executable, "-c", leader], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not (marker.exists() and marker.stat().st_size > 10) and time.monotonic() < deadline:
+            time.sleep(0.05)  # the worker beats, after the main thread has gone
+        assert group_alive(proc.pid)
+        stop_group(proc, 1.0)
+        assert not group_alive(proc.pid)
+        size = marker.stat().st_size
+        time.sleep(0.3)
+        assert marker.stat().st_size == size  # nothing of the group runs on
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # only the group this test started
 
 
 def _pgrp(pid: str) -> int | None:

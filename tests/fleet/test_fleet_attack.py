@@ -213,3 +213,64 @@ def test_something_that_is_not_an_adapter_fails_its_tenant_alone_with_a_typed_er
         assert report["a"].status == "failed" and isinstance(report["a"].error, ConfigError)
         assert "PEFT model or a state dict" in str(report["a"].error)
         assert report["b"].status == "loaded" and engine.list_adapters() == ["b@v1"]
+
+
+def test_a_fleets_forced_unload_under_a_request_is_no_slot_leak(tmp_path):
+    # remove_engine past tenant a's drain timeout unloaded a@v1 under its request (RetentionWarning);
+    # b's request kept the removal going for more passes, and the next one reported a@v1 as a slot
+    # leak "for its requests alone", advising to restart the engine: the Fleet unloaded without
+    # telling the slot-leak judge it forced it, as retention does (found by an outside attack).
+    import threading
+    import warnings
+
+    from lorasync import RetentionWarning
+    from lorasync.errors import SlotLeakWarning
+
+    e1, e2 = MemoryEngine("memory://one"), MemoryEngine("memory://two")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Fleet([e1, e2], transport="ipc", root=tmp_path) as fleet:
+            fleet.register("a", keep=1, drain_timeout=0.0)  # forced out at the first pass
+            fleet.register("b", keep=1, drain_timeout=600.0)  # waits for its request: more passes follow
+            fleet.publish({"a": tiny_llama_adapter(seed=1), "b": tiny_llama_adapter(seed=2)}, versions={"a": 1, "b": 1}).raise_for_errors()
+            with e1.request("a@v1"):
+                held = e1.request("b@v1")
+                held.__enter__()
+                timer = threading.Timer(1.0, held.__exit__, (None, None, None))  # b's request ends after 1 s
+                timer.start()
+                try:
+                    assert sorted(fleet.remove_engine(e1)) == ["a@v1", "b@v1"]
+                finally:
+                    timer.join()
+            assert e1.list_adapters() == [] and sorted(e2.list_adapters()) == ["a@v1", "b@v1"]
+    assert any(issubclass(w.category, RetentionWarning) and "a@v1" in str(w.message) for w in caught)
+    assert not [w for w in caught if issubclass(w.category, SlotLeakWarning)]
+
+
+def test_retire_keeps_the_files_of_a_version_a_reloading_engine_still_decodes_for(tmp_path):
+    # retire past the drain timeout unloads a@v1 under a request, then deleted every file of the
+    # tenant after the grace: a vLLM-like engine re-reading a@v1 for that request found nothing
+    # (vLLM's engine core dies on it). Retention keeps such files; retire now does too.
+    import warnings
+
+    from tests.publish._inflight import ReloadingEngine
+
+    engine = ReloadingEngine()
+    with Fleet([engine], transport="disk", root=tmp_path) as fleet:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the RetentionWarning of the forced unload
+            tenant = fleet.register("a", keep=1, drain_timeout=0.0, grace=0.2)
+            fleet.publish({"a": tiny_llama_adapter(seed=1)}, versions={"a": 1}).raise_for_errors()
+            fleet.publish({"a": tiny_llama_adapter(seed=2)}, versions={"a": 2}).raise_for_errors()
+            engine.start("a@v2")  # a rollout that outlives the drain timeout
+            assert fleet.retire("a") == ["a@v2"]
+        store = tenant.publisher.store
+        assert "a@v2" in engine.adapters_in_use()
+        engine.step()
+        assert not [v for v in engine.violations if "gone" in v]
+        assert store.versions("a") == [2]  # a@v1 (no request) went; a@v2 stays for its request
+        engine.step()
+        assert not [v for v in engine.violations if "gone" in v]  # unloaded under it (forced, warned), never its files
+        fleet.register("a", keep=1)  # the name registers again: a new run beside the kept one
+        fleet.publish({"a": tiny_llama_adapter(seed=3)}, versions={"a": 1}).raise_for_errors()
+        assert engine.list_adapters() == ["a@v1"]

@@ -142,3 +142,64 @@ def test_a_version_forced_out_while_its_requests_run_is_no_leak_until_they_end()
         warnings.simplefilter("always")
         assert asyncio.run(leaks.check(["p@v3"], listed=["p@v3"], busy={"p@v3"})) == {"p@v3"}
     assert [w.message.adapters for w in caught if issubclass(w.category, SlotLeakWarning)] == [("p@v3",)]
+
+
+def test_a_version_forced_out_under_a_request_never_refuses_a_publish_the_engine_has_room_for(tmp_path: Path) -> None:
+    # Counted occupied while its request runs, but no sign that the engine's unloads free nothing:
+    # the retiring version may still go early to make room (found by an outside attack).
+    engine = MemoryEngine(max_loras=2)
+    pub = Publisher([engine], name="pol", keep=1, transport="ipc", root=tmp_path, max_deferred=0, drain_timeout=None, grace=0.0)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert pub.publish(tiny_adapter(seed=1), version=1).settled().ok
+            with engine.request("pol@v1"):  # a long rollout on v1; v2's retirement forces it out
+                for version in (2, 3):
+                    assert pub.publish(tiny_adapter(seed=version), version=version).settled().ok
+                assert engine.list_adapters() == ["pol@v3"]
+                report = pub.publish(tiny_adapter(seed=4), version=4).settled()
+                assert report.ok, report.results[0].error
+                assert engine.list_adapters() == ["pol@v4"]
+                assert engine._adapters["pol@v4"].content_hash == tiny_adapter(seed=4).content_hash
+        assert not [w for w in caught if issubclass(w.category, SlotLeakWarning)]
+    finally:
+        pub.close()
+
+
+class FlakyMetrics(MemoryEngine):
+    """Reports requests in flight, except that a read fails when told to (``/metrics`` timing out)."""
+
+    fail = 0
+
+    def adapters_in_use(self):
+        if self.fail:
+            self.fail -= 1
+            from lorasync.errors import EngineError
+
+            raise EngineError("GET /metrics timed out")
+        return super().adapters_in_use()
+
+
+def test_one_unknown_reading_of_requests_does_not_forget_a_version_that_still_has_them(tmp_path: Path) -> None:
+    engine = FlakyMetrics(max_loras=8)
+    pub = Publisher([engine], name="pol", keep=1, transport="disk", root=tmp_path, max_deferred=0, drain_timeout=None, grace=0.0)
+    handle = next(iter(pub._handles.values()))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            assert pub.publish(tiny_adapter(seed=1), version=1).settled().ok
+            with engine.request("pol@v1"):
+                for version in (2, 3, 4):
+                    assert pub.publish(tiny_adapter(seed=version), version=version).settled().ok
+                assert "pol@v1" in handle.leaks.suspects
+                engine.fail = 1  # one reading fails (v5's retirement)
+                assert pub.publish(tiny_adapter(seed=5), version=5).settled().ok
+                assert "pol@v1" in handle.leaks.suspects  # unknown is not "no requests": still counted occupied
+                for version in (6, 7):  # readings come back and still show the request
+                    assert pub.publish(tiny_adapter(seed=version), version=version).settled().ok
+                assert "pol@v1" in handle.leaks.suspects
+            assert pub.publish(tiny_adapter(seed=8), version=8).settled().ok
+            assert pub.publish(tiny_adapter(seed=9), version=9).settled().ok
+            assert "pol@v1" not in handle.leaks.suspects  # its request ended: judged free
+    finally:
+        pub.close()
