@@ -6,11 +6,14 @@ box hits each alike), each followed by one completion on the new weights whose t
 against the trainer's own greedy token:
 
 * ``peer`` — TRL AsyncGRPO / OpenPipe ART / SkyRL: ``peft_model.save_pretrained(dir)``, raw
-  ``POST /v1/load_lora_adapter`` of a new name, ``POST /v1/unload_lora_adapter`` of step-2;
+  ``POST /v1/load_lora_adapter`` of a new name, ``POST /v1/unload_lora_adapter`` of step-2, the
+  directory in the system's temp folder (``tempfile``), where those frameworks save;
+* ``peer-tmpfs`` — the same, saved on tmpfs (``--root``, default ``/dev/shm``): the peer given
+  the file system lorasync uses by default, so neither way is ahead by where it writes;
 * ``lorasync`` — the documented loop ``pub.publish(fsdp.export(peft_model), version=step)``
-  (default transport, keep=2);
-* ``unload-then-load`` — the engine's bare load time: ``Adapter.save``, unload and load of one
-  fixed name (no versioning, a window with nothing served).
+  (default transport, keep=2, the store in its default kind of place: tmpfs, ``--root``);
+* ``unload-then-load`` — the engine's bare load time: ``Adapter.save`` on tmpfs, unload and load
+  of one fixed name (no versioning, a window with nothing served).
 
 Models are built locally (``lorasync.testing.make_tiny_model`` with a bigger config; nothing is
 downloaded): ``llama-10mb`` (hidden 1024, 8 layers, r16 all-linear fp32: a 9.6 MB adapter, the
@@ -33,7 +36,7 @@ from benchmarks._harness import Goal, Options, Table, fmt_bytes, fmt_ms, progres
 __all__ = ["MODELS", "run_peer"]
 
 PROMPTS = ([5, 17, 99, 230, 41], [300, 12, 7], [64, 65, 66, 67, 68, 69], [11, 22, 33], [400, 401, 402, 403])
-MODES = ("peer", "lorasync", "unload-then-load")
+MODES = ("peer", "peer-tmpfs", "lorasync", "unload-then-load")
 #: name -> (config overrides for make_tiny_model, architecture)
 MODELS: dict[str, tuple[dict[str, Any], str]] = {
     "llama-10mb": (dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=8, head_dim=64), "llama"),
@@ -47,7 +50,7 @@ def run_peer(opts: Options, tmp: Path, python: Path, repeats: int, warmup: int) 
     names = ["llama-10mb"] + [n for n in MODELS if n != "llama-10mb" and n in opts.shapes]
     out: dict[str, Any] = {"tables": [], "goals": [], "notes": [], "data": {}}
     for name in names:
-        data = _one_model(name, tmp / name, python, repeats, warmup, opts.progress)
+        data = _one_model(name, tmp / name, _tmpfs(opts, tmp), python, repeats, warmup, opts.progress)
         out["data"][name] = data
         med = {m: statistics.median(data["modes"][m]["total"]) for m in MODES}
         rows = []
@@ -117,7 +120,17 @@ def _next_token(model: Any, prompt: list[int]) -> int:
         return int(model(torch.tensor([prompt])).logits[0, -1].argmax())
 
 
-def _one_model(name: str, tmp: Path, python: Path, repeats: int, warmup: int, show: bool) -> dict[str, Any]:
+def _tmpfs(opts: Options, tmp: Path) -> Path:
+    """Where lorasync's store, the bare load's files and ``peer-tmpfs`` write: ``--root``, else
+    ``/dev/shm`` (lorasync's default root is there), else the benchmark's temp folder."""
+    parent = opts.root or (Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp)
+    parent.mkdir(parents=True, exist_ok=True)
+    return parent
+
+
+def _one_model(name: str, tmp: Path, parent: Path, python: Path, repeats: int, warmup: int, show: bool) -> dict[str, Any]:
+    import tempfile
+
     import httpx
 
     from lorasync import Adapter, Publisher
@@ -156,7 +169,8 @@ def _one_model(name: str, tmp: Path, python: Path, repeats: int, warmup: int, sh
         engine = connect("vllm", server.url, timeout=300)
         raw = httpx.Client(base_url=server.url, timeout=300)
         engine.generate(prompt, model=SERVED_BASE, max_tokens=1)  # the first request compiles
-        pub = Publisher([engine], name="bench-peer", root=tmp / "store", keep=2)
+        fast = Path(tempfile.mkdtemp(prefix="lorasync-bench-peer-", dir=parent))
+        pub = Publisher([engine], name="bench-peer", root=fast / "store", keep=2)
         peer_loaded: list[str] = []
         naive_loaded = False
 
@@ -167,20 +181,20 @@ def _one_model(name: str, tmp: Path, python: Path, repeats: int, warmup: int, sh
         def step(mode: str, i: int) -> tuple[str, dict[str, float]]:
             nonlocal naive_loaded
             model = trainers[i % 2]
-            if mode == "peer":
-                path = tmp / "peer" / f"step{i}"
+            if mode.startswith("peer"):
+                path = (tmp if mode == "peer" else fast) / mode / f"step{i}"
                 model.save_pretrained(str(path))
-                check(raw.post("/v1/load_lora_adapter", json={"lora_name": f"peer-{i}", "lora_path": str(path)}))
-                peer_loaded.append(f"peer-{i}")
-                if len(peer_loaded) > 2:
+                check(raw.post("/v1/load_lora_adapter", json={"lora_name": f"{mode}-{i}", "lora_path": str(path)}))
+                peer_loaded.append(f"{mode}-{i}")
+                if len(peer_loaded) > 4:  # two steps of each peer way
                     old = peer_loaded.pop(0)
                     check(raw.post("/v1/unload_lora_adapter", json={"lora_name": old}))
-                return f"peer-{i}", {}
+                return f"{mode}-{i}", {}
             if mode == "lorasync":
                 report = pub.publish(export(model), version=i + 1).raise_for_errors()
                 transports.append(report.results[0].transport or "?")
                 return report.served_name, {**{k: v for k, v in report.timings.items() if k != "total"}, **report.results[0].timings}
-            path = Adapter.save(export(model), tmp / "naive" / f"v{i}")
+            path = Adapter.save(export(model), fast / "naive" / f"v{i}")
             if naive_loaded:
                 engine.unload_adapter("naive")
             engine.load_adapter("naive", path)
@@ -190,7 +204,7 @@ def _one_model(name: str, tmp: Path, python: Path, repeats: int, warmup: int, sh
         try:
             for i in progress(range(warmup + repeats), desc=f"vLLM {name} rounds", show=show):
                 # Rotate who goes first so no way always runs right after the same other one.
-                order = MODES[i % 3 :] + MODES[: i % 3]
+                order = MODES[i % len(MODES) :] + MODES[: i % len(MODES)]
                 for mode in order:
                     start = time.perf_counter()
                     served, stages = step(mode, i)
@@ -205,9 +219,11 @@ def _one_model(name: str, tmp: Path, python: Path, repeats: int, warmup: int, sh
                         s["served_new"].append(int(completion.token_ids[0]) == refs[i % 2])
                         s["stages"].append(stages)
                 shutil.rmtree(tmp / "peer" / f"step{i - 3}", ignore_errors=True)
-                shutil.rmtree(tmp / "naive" / f"v{i - 1}", ignore_errors=True)
+                shutil.rmtree(fast / "peer-tmpfs" / f"step{i - 3}", ignore_errors=True)
+                shutil.rmtree(fast / "naive" / f"v{i - 1}", ignore_errors=True)
         finally:
             pub.close()
+            shutil.rmtree(fast, ignore_errors=True)
             raw.close()
             engine.close()
     return {"modes": samples, "transports": transports, "adapter_bytes": adapter_bytes, "startup_s": startup, "prompt": prompt}
