@@ -127,6 +127,7 @@ class SlotLeaks:
         self._busy = lingering - persistent
         self.pending = set()
         self._forced &= self.suspects | self._busy  # judged like any other name once its requests ended
+        self._reported &= self.suspects  # a name that left is never judged again: a long run keeps no trace of it
         report = sorted(self.suspects - self._reported - (persistent & self._forced))
         if report:
             self._reported.update(report)

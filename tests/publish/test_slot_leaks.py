@@ -203,3 +203,22 @@ def test_one_unknown_reading_of_requests_does_not_forget_a_version_that_still_ha
             assert "pol@v1" not in handle.leaks.suspects  # its request ended: judged free
     finally:
         pub.close()
+
+
+def test_a_leak_that_ended_leaves_no_trace_in_the_judge() -> None:
+    # One entry per reported name was kept for ever: a long run with a leaking engine grew it by
+    # one per version (found by an outside attack over 10,000 publishes).
+    import asyncio
+
+    from lorasync.publisher._leaks import SlotLeaks
+
+    leaks = SlotLeaks(MemoryEngine(), "memory")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for version in range(1, 51):
+            name = f"p@v{version}"
+            assert asyncio.run(leaks.check([name], listed=[name], busy=frozenset())) == {name}  # kept: reported
+            assert asyncio.run(leaks.check(listed=[], busy=frozenset())) == frozenset()  # gone at the next look
+            assert leaks.freed == [name]
+    assert len([w for w in caught if issubclass(w.category, SlotLeakWarning)]) == 50
+    assert not leaks.watching and not leaks._reported and not leaks._forced
