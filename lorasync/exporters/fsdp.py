@@ -94,6 +94,8 @@ def export(
     """
     if not isinstance(source, nn.Module) and not callable(getattr(source, "items", None)):  # a typo (a model's name, None) is a typed error, not an AttributeError
         raise ConfigError(f"export() takes a PEFT model or a state dict (name -> tensor), got {type(source).__name__}: {source!r:.80}")
+    if not isinstance(adapter_name, str) or not adapter_name:
+        raise ConfigError(f"adapter_name must be the PEFT adapter's name, a non-empty str (default 'default'), got {adapter_name!r:.80}")
     targets = None
     if isinstance(source, nn.Module):
         peft_cfg = _find_peft_config(source, adapter_name)

@@ -15,6 +15,7 @@ from collections.abc import Iterator, Sequence
 
 from lorasync.adapter._adapter import Adapter
 from lorasync.publisher._digest import PublishDigest
+from lorasync.publisher._handle import EngineHandle
 from lorasync.fleet._hash import Gate, content_hash
 from lorasync.fleet._plan import FleetReport, TenantReport
 from lorasync.adapter._names import parse_served_name, served_name, validate_version
@@ -180,7 +181,7 @@ async def release(tenant: Tenant, engines: Sequence[Engine]) -> None:
     if readers:
         await asyncio.sleep(pub.retention.grace)
         for handle in readers:  # None (requests unknown): the grace above was the fallback
-            still |= set(await handle.in_use() or ()) | handle.leaks.suspects
+            still |= set(await handle.in_use() or ()) | handle.leaks.suspects | await _listed(handle)
     for version in await asyncio.to_thread(pub.store.versions, tenant.name):
         if served_name(tenant.name, version) in still:
             continue
@@ -190,6 +191,17 @@ async def release(tenant: Tenant, engines: Sequence[Engine]) -> None:
         await asyncio.to_thread(pub.store.end_run, tenant.name)
     pub._release()
     tenant.retired = True
+
+
+async def _listed(handle: EngineHandle) -> set[str]:
+    """What the handle's engine still lists (an unload that answered may have kept it), judged as
+    retired names are; everything of the tenant when the engine cannot say."""
+    try:
+        listed = await handle.engine.alist_adapters()
+    except LoraSyncError:
+        return {served_name(handle.name, v) for v in await asyncio.to_thread(handle.files.store.versions, handle.name)}
+    await handle.leaks.check(listed=listed, busy=handle.last_in_use)  # a name it kept is reported (SlotLeakWarning)
+    return set(listed)
 
 
 async def list_all(engines: Sequence[Engine]) -> list[list[str] | None]:

@@ -297,6 +297,7 @@ class EngineHandle:
         except Exception as exc:
             if not transport.versioned:
                 ledger.in_place = ledger.in_place_source = ledger.merged = None
+                ledger.floor = max(version, ledger.floor or version)
             ledger.synced = False
             message = (
                 f"{self.where}: {self.name} v{version} did not pass its verification and taking it out of service failed "

@@ -23,8 +23,9 @@ unloaded by force while requests used it is never reported for its requests alon
 ``RetentionWarning`` already said so, and the engine serving those requests on is what a forced
 unload means. It stays occupied for capacity until they end, but is no sign that the engine's
 unloads free nothing: :attr:`SlotLeaks.kept` leaves it out). A check at which the requests could
-not be read (``/metrics`` timed out) keeps every name seen with requests where it stood: unknown
-is not "none".
+not be read (``/metrics`` timed out) keeps every name seen with requests where it stood, for
+:data:`UNKNOWN_CHECKS` checks in a row: unknown is not "none", but a report that never comes back
+is (the lists judge alone then, as on an engine that has none).
 """
 
 from __future__ import annotations
@@ -36,7 +37,11 @@ from collections.abc import Collection, Iterable
 from lorasync.engines._engine import Engine
 from lorasync.errors import EngineError, SlotLeakWarning
 
-__all__ = ["SlotLeaks"]
+__all__ = ["SlotLeaks", "UNKNOWN_CHECKS"]
+
+#: Checks in a row without a reading of the engine's requests for which a name seen with requests
+#: keeps its standing; after them its lists alone judge it (requests that cannot be read are none).
+UNKNOWN_CHECKS = 2
 
 log = logging.getLogger("lorasync.publish")
 
@@ -62,6 +67,9 @@ class SlotLeaks:
         self._busy: set[str] = set()  # retired names seen with requests once (not yet suspects)
         self._reported: set[str] = set()
         self._forced: set[str] = set()  # unloaded by retention while requests used them
+        self._held: set[str] = set()  # listed or held for sure at the last check
+        self._by_requests: set[str] = set()  # suspects for their requests alone (not listed or held)
+        self._unknown = 0  # checks in a row at which the requests could not be read
 
     def forced_out(self, names: Iterable[str]) -> None:
         """Retention unloads ``names`` while requests may still use them: their requests going on
@@ -70,10 +78,11 @@ class SlotLeaks:
 
     @property
     def kept(self) -> frozenset[str]:
-        """The suspects the engine kept although their unload answered, for no request of a forced
-        unload: evidence that its unloads may free no slot (the capacity planner then counts on
-        none). A forced-out name is occupied until its requests end, but says nothing of that."""
-        return frozenset(self.suspects - self._forced)
+        """The suspects the engine kept although their unload answered: evidence that its unloads
+        may free no slot (the capacity planner then counts on none). A name forced out under its
+        requests that the engine only reports requests on is occupied until they end, but says
+        nothing of that; one it still lists or holds does."""
+        return frozenset(self.suspects - (self._forced - self._held))
 
     @property
     def watching(self) -> bool:
@@ -113,17 +122,20 @@ class SlotLeaks:
             log.warning("%s: cannot tell whether unloaded adapters left it (%s)", self.where, exc)
             return frozenset()
         sure = names & (set(listed or ()) | held)
-        if busy is None:
-            # Requests unknown at this check (the engine's report failed once, or it has none): a
-            # name already seen with requests keeps its standing until a check can tell, as a held
-            # list that could not be read keeps it above; a just-retired one is judged by the lists.
-            lingering = (self._busy | self.suspects) - sure
-            persistent = lingering & self.suspects
+        self._unknown = self._unknown + 1 if busy is None else 0
+        if busy is None and self._unknown <= UNKNOWN_CHECKS:
+            # Requests unknown at this check (their report failed): a name seen with requests keeps
+            # its standing (its files stay) until a check can tell, as a held list that could not
+            # be read keeps it above. Past UNKNOWN_CHECKS in a row the report is taken for gone
+            # and the lists judge alone, so a phantom never holds a slot for the rest of the run.
+            lingering = (self._busy | self._by_requests) - sure
+            persistent = lingering & self._by_requests
         else:
-            lingering = (names & set(busy)) - sure
+            lingering = (names & set(busy or ())) - sure
             persistent = lingering & (self._busy | self.suspects)  # seen with requests at two checks in a row (or more)
         self.freed = sorted(self.suspects - sure - persistent)
         self.suspects = sure | persistent
+        self._held, self._by_requests = set(sure), persistent - sure
         self._busy = lingering - persistent
         self.pending = set()
         self._forced &= self.suspects | self._busy  # judged like any other name once its requests ended

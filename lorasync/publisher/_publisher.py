@@ -36,6 +36,7 @@ from lorasync.publisher._aftercare import Aftercare
 from lorasync.publisher._digest import PublishDigest, watch_optimizer_steps
 from lorasync.publisher._files import VersionFiles
 from lorasync.publisher._handle import EngineHandle
+from lorasync.publisher._interrupted import keep_cancelled, withdraw_cancelled
 from lorasync.runtime._lifecycle import async_entry, blocking
 from lorasync.runtime._loop import finish
 from lorasync.runtime._looplock import held
@@ -346,14 +347,24 @@ class Publisher(PublisherLife):
         previous = ledger.in_place if in_place else ledger.merged
         if self._on_staged is not None:
             self._on_staged()
+        path = self._files.path_of(version) if with_files or files else None
+        live = payload is adapter and not (transport is self._disk and hashing.from_write)  # it reads the trainer's tensors
+        # A cancel waits for the delivery (its engine call runs on in a thread anyway): with a probe,
+        # so that what it swapped in can be taken out again, unverified; where it reads the
+        # trainer's own tensors or swaps the name in place, because the trainer steps once the
+        # cancel returns and the call left running would serve that step, or a swap no one knows.
+        delivering = asyncio.ensure_future(transport.deliver(payload, engine, caps, name=self.name, version=version, served=served_name(self.name, version)))
         try:
-            delivering = transport.deliver(payload, engine, caps, name=self.name, version=version, served=served_name(self.name, version))
-            # With a probe, a cancel waits for the delivery (its engine call runs on in a thread
-            # anyway) so that what it swapped in can be taken out again, unverified.
-            delivery = await (finish(delivering) if probe is not None else delivering)
+            delivery = await (finish(delivering) if probe is not None or live or in_place else delivering)
         except BaseException as exc:
+            landed = isinstance(exc, asyncio.CancelledError) and delivering.done() and not delivering.cancelled() and delivering.exception() is None
             if probe is not None and isinstance(exc, asyncio.CancelledError):
-                await self._withdraw_cancelled(handle, ledger, transport, version, caps=caps, previous=previous)
+                await withdraw_cancelled(handle, ledger, transport, version, caps=caps, previous=previous)
+            elif landed:
+                # Delivered before the cancel could stop it: counted like any load (exact, so it
+                # serves on and is recorded), or taken out if the tensors changed under it.
+                await keep_cancelled(handle, ledger, transport, version, hashing, digest, caps=caps, previous=previous, path=path, restore=path if files else payload, live=live)
+                raise
             elif transport.versioned and not with_files and not isinstance(exc, AdapterAlreadyLoadedError):
                 # The load may have landed before its answer was lost (dropped, timed out, the engine
                 # unreachable right after). A tensor load names no files that say what it holds: if
@@ -366,9 +377,8 @@ class Publisher(PublisherLife):
             raise
         result.timings.update(delivery.timings)
         result.bytes_moved, result.served_name = delivery.bytes_moved, delivery.served_name
-        path = self._files.path_of(version) if with_files or files else None
         try:
-            if payload is adapter and not (transport is self._disk and hashing.from_write) and (torn := hashing.changed()) is not None:
+            if live and (torn := hashing.changed()) is not None:
                 await handle.withdraw(ledger, transport, version, caps=caps, previous=previous)  # it read tensors that changed
                 raise hashing.error(torn, f"while {result.engine} loaded them")
             if probe is not None:
@@ -381,20 +391,10 @@ class Publisher(PublisherLife):
             await handle.delivered(ledger, transport, version, digest, path=path, restore=path if files else payload)
         except asyncio.CancelledError:
             if probe is not None:  # cancelled before the probe passed: never leave unverified weights serving
-                await self._withdraw_cancelled(handle, ledger, transport, version, caps=caps, previous=previous)
+                await withdraw_cancelled(handle, ledger, transport, version, caps=caps, previous=previous)
             raise
         result.status = "loaded"
         return transport if transport.versioned else None
-
-    async def _withdraw_cancelled(self, handle: EngineHandle, ledger: Ledger, transport: Transport, version: int, *, caps: Capabilities, previous: Any) -> None:
-        """Take a version whose verification was cancelled out of service (in place and merged:
-        the previous weights back), to its end even if cancelled again."""
-        try:
-            await finish(handle.take_out(ledger, transport, version, caps=caps, previous=previous))
-        except asyncio.CancelledError:
-            pass  # it finished; the caller re-raises the cancel it is handling
-        except Exception as exc:  # noqa: BLE001 - the cancel goes on; say what is left serving
-            log.warning("%s: taking %s v%d out of service after its verification was cancelled failed (%s); publish again or unload it", handle.where, self.name, version, exc)
 
     async def _staged(self, adapter: Adapter, version: int) -> str:
         return (await self._disk.stage(adapter, self.name, version))[0]

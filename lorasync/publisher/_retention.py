@@ -137,6 +137,9 @@ class Ledger:
     # Versions whose verification did not pass (design invariant 11) and that the engine may still
     # list because taking them out failed: no hash, outside every window, unloaded first.
     unverified: set[int] = field(default_factory=set)
+    # In place or merged, the newest version that may still serve after taking it out failed
+    # (what serves is unknown then, not gone): no older version may replace it.
+    floor: int | None = None
 
     def newest(self) -> int | None:
         return max(self.versions, default=None)
@@ -172,6 +175,8 @@ class Ledger:
         else:
             current = self.merged if self.merged is not None else (self.in_place[:2] if self.in_place else None)
             newest, newest_hash = current if current is not None else (None, None)
+            if self.floor is not None and (newest is None or self.floor > newest):
+                newest, newest_hash = self.floor, digest  # its content is unknown: only older versions are refused
         if newest is None:
             return
         if version < newest or (version == newest and newest_hash != digest):

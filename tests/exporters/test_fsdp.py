@@ -249,3 +249,16 @@ def test_decorated_state_dict_exports_like_the_model() -> None:
     adapter = export(decorated, alpha=16)
     assert adapter.content_hash == export(model).content_hash
 
+
+
+@pytest.mark.parametrize("bad", [["default"], {"default": 1}, {"default"}, None, 0, ""])
+def test_an_adapter_name_that_is_no_name_is_a_typed_refusal(bad: object) -> None:
+    # A list (or set, dict) raised an untyped TypeError from the key cache (outside attack).
+    from lorasync.errors import ConfigError
+
+    tensors = {
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight": torch.zeros(4, 16),
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_B.default.weight": torch.zeros(16, 4),
+    }
+    with pytest.raises(ConfigError, match="adapter_name"):
+        export(tensors, adapter_name=bad, alpha=8)  # type: ignore[arg-type]

@@ -274,3 +274,33 @@ def test_retire_keeps_the_files_of_a_version_a_reloading_engine_still_decodes_fo
         fleet.register("a", keep=1)  # the name registers again: a new run beside the kept one
         fleet.publish({"a": tiny_llama_adapter(seed=3)}, versions={"a": 1}).raise_for_errors()
         assert engine.list_adapters() == ["a@v1"]
+
+
+def test_retire_keeps_the_files_of_a_version_the_engine_still_lists_after_its_unload(tmp_path):
+    # An unload that answered OK and kept the adapter listed (vLLM #54839): retire judged it with
+    # no listing at hand and deleted its files; a request routed to the listed name then made the
+    # engine re-read files that were gone (outside attack).
+    import warnings
+
+    from lorasync.errors import SlotLeakWarning
+    from tests.publish._inflight import ReloadingEngine
+
+    class LeakyReloading(ReloadingEngine):
+        def unload_adapter(self, name):  # answers OK, keeps the adapter (and lists it)
+            with self._lock:
+                self._enter("unload_adapter")
+
+    engine = LeakyReloading()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Fleet([engine], transport="disk", root=tmp_path) as fleet:
+            tenant = fleet.register("a", keep=1, grace=0.1)
+            fleet.publish({"a": tiny_llama_adapter(seed=1)}, versions={"a": 1}).raise_for_errors()
+            assert fleet.retire("a") == ["a@v1"]
+            assert engine.list_adapters() == ["a@v1"]
+            assert tenant.publisher.store.versions("a") == [1]
+            rid = engine.start("a@v1")
+            engine.step()
+            engine.finish(rid)
+            assert not engine.violations
+    assert [w for w in caught if issubclass(w.category, SlotLeakWarning) and "a@v1" in str(w.message)]

@@ -222,3 +222,97 @@ def test_a_leak_that_ended_leaves_no_trace_in_the_judge() -> None:
             assert leaks.freed == [name]
     assert len([w for w in caught if issubclass(w.category, SlotLeakWarning)]) == 50
     assert not leaks.watching and not leaks._reported and not leaks._forced
+
+
+def test_a_forced_out_version_the_engine_still_holds_is_a_leak_the_planner_believes(tmp_path: Path) -> None:
+    # Forced out under a request, and the engine kept it after the request ended (a real leak):
+    # the planner took "forced" for "its unloads free slots", unloaded the serving v2 early, and
+    # v3's load failed with nothing served (found by an outside attack).
+    engine = HiddenLeak(max_loras=2)
+    pub = Publisher([engine], name="pol", keep=1, transport="ipc", root=tmp_path, max_deferred=0, drain_timeout=None, grace=0.0)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            assert pub.publish(tiny_adapter(seed=1), version=1).settled().ok
+            with engine.request("pol@v1"):
+                assert pub.publish(tiny_adapter(seed=2), version=2).settled().ok
+            assert engine.list_adapters() == ["pol@v2"] and set(engine._adapters) == {"pol@v1", "pol@v2"}
+            report = pub.publish(tiny_adapter(seed=3), version=3)
+        assert isinstance(report.results[0].error, CapacityError)
+        assert "pol@v1" in str(report.results[0].error)
+        assert engine.list_adapters() == ["pol@v2"]  # refused before anything moved: v2 serves on
+    finally:
+        pub.close()
+
+
+class HiddenLeakNoRequests(HiddenLeak):
+    """The hidden leak on an engine that cannot report requests (SGLang), and restarts."""
+
+    def adapters_in_use(self):
+        return None
+
+    def restart(self) -> None:
+        with self._lock:
+            for name in list(self._adapters):
+                MemoryEngine.unload_adapter(self, name)
+            self.hidden.clear()
+
+
+def test_a_restart_frees_the_leaks_of_an_engine_that_cannot_report_requests(tmp_path: Path) -> None:
+    # Leaked names were kept as suspects at every check with requests unknown, so after the
+    # restart the warning advises, the engine was refused for good as full (outside attack).
+    engine = HiddenLeakNoRequests(max_loras=3)
+    pub = Publisher([engine], name="pol", keep=1, transport="ipc", root=tmp_path, grace=0.0)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for version in (1, 2, 3):
+                assert pub.publish(tiny_adapter(seed=version), version=version).settled().ok
+            assert set(engine._adapters) == {"pol@v1", "pol@v2", "pol@v3"}  # v1, v2 leaked
+            engine.restart()
+            for version in (4, 5, 6):  # it leaks again: each unload keeps one more
+                report = pub.publish(tiny_adapter(seed=version), version=version).settled()
+                assert report.ok, (version, report.results[0].error, sorted(engine._adapters))
+            assert engine.list_adapters() == ["pol@v6"] and len(engine._adapters) == 3
+            report = pub.publish(tiny_adapter(seed=7), version=7)  # full for real now: refused, v6 serves on
+            assert isinstance(report.results[0].error, CapacityError)
+            assert "pol@v1" not in str(report.results[0].error) and engine.list_adapters() == ["pol@v6"]
+    finally:
+        pub.close()
+
+
+def test_requests_that_stay_unknown_stop_holding_a_phantom_slot(tmp_path: Path) -> None:
+    # A version forced out under a request whose engine's request report then failed for good
+    # stayed counted as occupied for the rest of the run: a round later took the serving
+    # version down early for that phantom, and the new load's failure left nothing served.
+    from lorasync import Fleet
+    from lorasync.errors import EngineError, EngineUnavailableError
+    from lorasync.publisher._leaks import UNKNOWN_CHECKS
+
+    class MetricsDie(MemoryEngine):
+        dead = False
+
+        def adapters_in_use(self):
+            if self.dead:
+                raise EngineError("GET /metrics timed out")
+            return super().adapters_in_use()
+
+    engine = MetricsDie(max_loras=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with Fleet([engine], root=tmp_path, transport="disk") as fleet:
+            tenant = fleet.register("a", keep=1, grace=0.0, drain_timeout=0.0)
+            fleet.publish({"a": tiny_adapter(seed=1)}, versions={"a": 1}).raise_for_errors()
+            with engine.request("a@v1"):  # forced out under it
+                for version in (2, 3):
+                    fleet.publish({"a": tiny_adapter(seed=version)}, versions={"a": version}).raise_for_errors()
+            handle = next(iter(tenant.publisher._handles.values()))
+            assert "a@v1" in handle.leaks.suspects
+            engine.dead = True  # the request ended; the report never answers again
+            for version in range(4, 6 + UNKNOWN_CHECKS):
+                fleet.publish({"a": tiny_adapter(seed=version)}, versions={"a": version}).raise_for_errors()
+            assert "a@v1" not in handle.leaks.suspects
+            last = 6 + UNKNOWN_CHECKS
+            engine.fail_next("load_adapter", EngineUnavailableError("down for a moment"))
+            assert fleet.publish({"a": tiny_adapter(seed=last)}, versions={"a": last})["a"].status == "failed"
+            assert engine.list_adapters() == [f"a@v{last - 1}"]  # the slot was free: the previous version serves on

@@ -1,0 +1,58 @@
+"""What a cancelled publish leaves on one engine, settled to its end even if cancelled again.
+
+A cancel waits for a delivery it cannot stop where leaving it running would serve weights no one
+published (``Publisher._publish_one``): with a probe, or where the delivery reads the trainer's own
+tensors or swaps a name in place. Once it has landed, the version is taken out of service
+(unverified: :func:`withdraw_cancelled`) or, without a probe, kept as any load is when it holds
+what was published and taken out when the tensors changed under it (:func:`keep_cancelled`).
+The caller re-raises the cancel either way; a failure here is logged with what may still serve.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from lorasync.engines._engine import Capabilities
+from lorasync.publisher._digest import PublishDigest
+from lorasync.publisher._handle import EngineHandle
+from lorasync.publisher._retention import Ledger
+from lorasync.runtime._loop import finish
+from lorasync.transports._transport import Transport
+
+__all__ = ["keep_cancelled", "withdraw_cancelled"]
+
+log = logging.getLogger("lorasync.publish")
+
+
+async def withdraw_cancelled(handle: EngineHandle, ledger: Ledger, transport: Transport, version: int, *, caps: Capabilities, previous: Any) -> None:
+    """Take a version whose verification was cancelled out of service (in place and merged: the
+    previous weights back)."""
+    try:
+        await finish(handle.take_out(ledger, transport, version, caps=caps, previous=previous))
+    except asyncio.CancelledError:
+        pass  # it finished; the caller re-raises the cancel it is handling
+    except Exception as exc:  # noqa: BLE001 - the cancel goes on; say what is left serving
+        log.warning("%s: taking %s v%d out of service after its verification was cancelled failed (%s); publish again or unload it", handle.where, handle.name, version, exc)
+
+
+async def keep_cancelled(
+    handle: EngineHandle, ledger: Ledger, transport: Transport, version: int, hashing: PublishDigest, digest: str, *, caps: Capabilities, previous: Any, path: str | None, restore: Any, live: bool
+) -> None:
+    """A publish without a probe was cancelled after its delivery landed: record the version as
+    served if it holds what was published (``live``: it read the trainer's tensors, which must not
+    have changed meanwhile), else take it out."""
+
+    async def settle() -> None:
+        if live and hashing.changed() is not None:
+            await handle.take_out(ledger, transport, version, caps=caps, previous=previous)
+        else:
+            await handle.delivered(ledger, transport, version, digest, path=path, restore=restore)
+
+    try:
+        await finish(settle())
+    except asyncio.CancelledError:
+        pass
+    except Exception as exc:  # noqa: BLE001 - the cancel goes on; say what is left serving
+        log.warning("%s: settling %s v%d, delivered as its publish was cancelled, failed (%s); publish again", handle.where, handle.name, version, exc)
