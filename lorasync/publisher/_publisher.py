@@ -1,22 +1,19 @@
 """Publisher: deliver one adapter version to many engines, safely, step after step.
 
-Per engine, concurrently, the critical path: pre-flight (capabilities, the engine's own rules, capacity)
-→ choose a transport (:mod:`lorasync.publisher._select`) → deliver (a disk publish hashes in its write
-pass: :mod:`lorasync.publisher._digest`) → optional verify. Then, by default after ``publish`` returned
-(:mod:`lorasync.publisher._aftercare`): re-list, retire versions outside the retention window once their
-requests drained (:mod:`lorasync.publisher._retention`), collect the run's files nothing may read again
-(:mod:`lorasync.publisher._files`). Invariants:
+Per engine, concurrently: pre-flight (capabilities, the engine's rules, capacity) → a transport
+(:mod:`lorasync.publisher._select`) → deliver (a disk publish hashes in its write pass: :mod:`lorasync.publisher._digest`)
+→ optional verify. Then, after ``publish`` returned (:mod:`lorasync.publisher._aftercare`): re-list, retire versions
+outside the retention window once drained (:mod:`lorasync.publisher._retention`), collect files (:mod:`lorasync.publisher._files`). Invariants:
 
-* Versions are monotonic per (engine, name): an older version never replaces a newer one, and a
-  version that concurrent publishers already superseded is taken out of service again.
-* A failure on one engine never blocks or changes the others, whatever it raised; a failed load or verify
-  leaves the engine's previous version serving. The report says exactly what happened.
-* A version with running or waiting requests is never unloaded (it is ``deferred``), a pinned one never,
-  and a version's files outlive every engine that may reload them. Identical content served moves no bytes.
-* Every publisher owns its own run of versions in the store: two jobs or a re-run never collide.
+* Versions are monotonic per (engine, name): an older version never replaces a newer one, and a version
+  that concurrent publishers already superseded is taken out of service again.
+* A failure on one engine never blocks or changes the others; a failed load or verify leaves its previous version.
+* A version with running or waiting requests is never unloaded (it is ``deferred``), a pinned one never, and
+  a version's files outlive every engine that may reload them. Identical content served moves no bytes. Every
+  publisher owns its own run of versions in the store: two jobs or a re-run never collide.
 * No call hangs (:mod:`lorasync.runtime._lifecycle`): a blocking call where it would deadlock, a call after
-  ``close`` or in a forked child, each is a typed error; ``close`` fails the calls waiting for the lock at
-  once and lets the one in flight finish (a cancelled delivery or withdrawal runs to its end: ``finish``).
+  ``close`` or in a forked child are typed errors; ``close`` fails the calls waiting for the lock and lets the
+  one in flight finish (a cancelled delivery or withdrawal runs to its end: :mod:`lorasync.publisher._interrupted`).
 """
 
 from __future__ import annotations
@@ -219,7 +216,11 @@ class Publisher(PublisherLife):
             # From here on the publish reads the tensors: a change now tears it (a Fleet round's
             # digest began watching before it hashed them).
             digest = digest if digest is not None else PublishDigest(adapter)
-            done = await asyncio.gather(*(self._guarded(e, adapter, version, digest, probe, restore=restore) for e in self.engines))
+            try:
+                done = await asyncio.gather(*(self._guarded(e, adapter, version, digest, probe, restore=restore) for e in self.engines))
+            except asyncio.CancelledError:
+                self._note_unverified(version, cancelled=True) if not recorded() else None  # lease refuses it
+                raise
             if len({r.served_name for r, _ in done if r.ok and r.served_name}) > 1:
                 # Engines serving this content under an older name load it as this version too, so
                 # report.served_name (what callers put in model=) is served by every engine that is ok.
@@ -345,24 +346,20 @@ class Publisher(PublisherLife):
         if with_files:
             self._files.loading(version, handle.engine_id, reloads=handle.reloads)
         previous = ledger.in_place if in_place else ledger.merged
-        if self._on_staged is not None:
+        if self._on_staged is not None:  # a Fleet: hashing its other tenants may begin
             self._on_staged()
         path = self._files.path_of(version) if with_files or files else None
         live = payload is adapter and not (transport is self._disk and hashing.from_write)  # it reads the trainer's tensors
-        # A cancel waits for the delivery (its engine call runs on in a thread anyway): with a probe,
-        # so that what it swapped in can be taken out again, unverified; where it reads the
-        # trainer's own tensors or swaps the name in place, because the trainer steps once the
-        # cancel returns and the call left running would serve that step, or a swap no one knows.
+        # A cancel waits for the delivery with a probe (to take it out) and in place or merged (a call
+        # left running would serve every request the trainer's next step); not for a versioned name.
         delivering = asyncio.ensure_future(transport.deliver(payload, engine, caps, name=self.name, version=version, served=served_name(self.name, version)))
         try:
-            delivery = await (finish(delivering) if probe is not None or live or in_place else delivering)
+            delivery = await (finish(delivering) if probe is not None or not transport.versioned else delivering)
         except BaseException as exc:
             landed = isinstance(exc, asyncio.CancelledError) and delivering.done() and not delivering.cancelled() and delivering.exception() is None
             if probe is not None and isinstance(exc, asyncio.CancelledError):
                 await withdraw_cancelled(handle, ledger, transport, version, caps=caps, previous=previous)
-            elif landed:
-                # Delivered before the cancel could stop it: counted like any load (exact, so it
-                # serves on and is recorded), or taken out if the tensors changed under it.
+            elif landed:  # recorded like any load if exact, else taken out (publisher/_interrupted)
                 await keep_cancelled(handle, ledger, transport, version, hashing, digest, caps=caps, previous=previous, path=path, restore=path if files else payload, live=live)
                 raise
             elif transport.versioned and not with_files and not isinstance(exc, AdapterAlreadyLoadedError):
@@ -377,9 +374,11 @@ class Publisher(PublisherLife):
             raise
         result.timings.update(delivery.timings)
         result.bytes_moved, result.served_name = delivery.bytes_moved, delivery.served_name
+        settling = False  # once True, a cancel waits (finish) for the take-out or the record
         try:
             if live and (torn := hashing.changed()) is not None:
-                await handle.withdraw(ledger, transport, version, caps=caps, previous=previous)  # it read tensors that changed
+                settling = True
+                await finish(handle.withdraw(ledger, transport, version, caps=caps, previous=previous))  # it read tensors that changed
                 raise hashing.error(torn, f"while {result.engine} loaded them")
             if probe is not None:
                 t0 = time.perf_counter()
@@ -388,9 +387,10 @@ class Publisher(PublisherLife):
                 result.reason += "; verified through the engine"
             # Counted as served only now (design invariant 11): what is recorded here is reported
             # ``unchanged`` by later publishes, leased and restored from.
-            await handle.delivered(ledger, transport, version, digest, path=path, restore=path if files else payload)
+            settling = True
+            await finish(handle.delivered(ledger, transport, version, digest, path=path, restore=path if files else payload))
         except asyncio.CancelledError:
-            if probe is not None:  # cancelled before the probe passed: never leave unverified weights serving
+            if probe is not None and not settling:  # cancelled before the probe passed: never leave unverified weights serving
                 await withdraw_cancelled(handle, ledger, transport, version, caps=caps, previous=previous)
             raise
         result.status = "loaded"

@@ -64,7 +64,7 @@ class PublisherLife(Closing):
         """Make the parts this class uses (called by the publisher's constructor)."""
         self._pins = {}
         self._served_as: dict[int, int] = {}  # version -> the earlier version whose name serves its content
-        self._unverified: dict[int, None] = {}  # versions whose last publish failed verification (lease refuses them)
+        self._unverified: dict[int, str | None] = {}  # versions whose last publish failed verification or was cancelled (lease refuses them)
         self._on_served: Callable[[int, str, str], None] | None = None  # a Fleet's tenant: see _note_served
         self._pins_guard = threading.Lock()  # held for a dict update only, never across an await
         self._lock = LoopLock()
@@ -157,12 +157,13 @@ class PublisherLife(Closing):
         if self._on_served is not None:  # before the previous version retires (a Fleet's Tenant.version)
             self._on_served(version, served, content_hash)
 
-    def _note_unverified(self, version: int) -> None:
-        """``version``'s publish failed verification on some engine: it is not served there, so
-        :meth:`lease` refuses it until a publish of it is ok (design invariant 11)."""
+    def _note_unverified(self, version: int, *, cancelled: bool = False) -> None:
+        """``version``'s publish failed verification on some engine (``cancelled``: was cancelled
+        before any engine recorded it): it is not served there, so :meth:`lease` refuses it until
+        a publish of it is ok (design invariant 11)."""
         with self._pins_guard:
             self._served_as.pop(version, None)
-            self._unverified[version] = None
+            self._unverified[version] = "cancelled" if cancelled else None
             while len(self._unverified) > _SERVED_AS_KEPT:
                 del self._unverified[next(iter(self._unverified))]
 
@@ -182,9 +183,9 @@ class PublisherLife(Closing):
     def _serving(self, version: int) -> int:
         with self._pins_guard:
             if version in self._unverified:
+                why = "was cancelled before any engine served it" if self._unverified[version] else "did not pass its verification (see its report)"
                 raise VerificationError(
-                    f"{self.name} v{version} did not pass its verification (see its report), so it is not served; "
-                    "lease the version of the last ok report, or publish this one again",
+                    f"{self.name} v{version} {why}, so it is not served; lease the version of the last ok report, or publish this one again",
                     adapter=served_name(self.name, version),
                 )
             return self._served_as.get(version, version)
