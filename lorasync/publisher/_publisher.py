@@ -35,7 +35,7 @@ from lorasync.publisher._files import VersionFiles
 from lorasync.publisher._handle import EngineHandle
 from lorasync.publisher._interrupted import keep_cancelled, withdraw_cancelled
 from lorasync.runtime._lifecycle import async_entry, blocking
-from lorasync.runtime._loop import finish
+from lorasync.runtime._loop import finish, gather_all
 from lorasync.runtime._looplock import held
 from lorasync.adapter._names import served_name, validate_name, validate_version
 from lorasync.adapter._probe import Probe
@@ -217,15 +217,15 @@ class Publisher(PublisherLife):
             # digest began watching before it hashed them).
             digest = digest if digest is not None else PublishDigest(adapter)
             try:
-                done = await asyncio.gather(*(self._guarded(e, adapter, version, digest, probe, restore=restore) for e in self.engines))
-            except asyncio.CancelledError:
-                self._note_unverified(version, cancelled=True) if not recorded() else None  # lease refuses it
+                done = await gather_all(*(self._guarded(e, adapter, version, digest, probe, restore=restore) for e in self.engines))
+            except asyncio.CancelledError:  # lease refuses it while an engine may serve a load of it no one recorded
+                self._note_unverified(version, cancelled=True) if not restore and not all(ledger.holds(version) for ledger in self._ledgers.values()) else None
                 raise
             if len({r.served_name for r, _ in done if r.ok and r.served_name}) > 1:
                 # Engines serving this content under an older name load it as this version too, so
                 # report.served_name (what callers put in model=) is served by every engine that is ok.
                 again = [i for i, (r, _) in enumerate(done) if r.status == "unchanged"]
-                for i, redone in zip(again, await asyncio.gather(*(self._guarded(self.engines[i], adapter, version, digest, probe, reuse=False, restore=restore) for i in again))):
+                for i, redone in zip(again, await gather_all(*(self._guarded(self.engines[i], adapter, version, digest, probe, reuse=False, restore=restore) for i in again))):
                     done[i] = redone
             results = [r for r, _ in done]
             if all(r.status == "unchanged" for r in results) or digest.torn is not None:

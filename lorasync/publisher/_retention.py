@@ -144,6 +144,10 @@ class Ledger:
     def newest(self) -> int | None:
         return max(self.versions, default=None)
 
+    def holds(self, version: int) -> bool:
+        """``version`` is recorded as served here: loaded under its name, in place or merged."""
+        return version in self.versions or any(e is not None and e[0] == version for e in (self.in_place, self.merged))
+
     def forget(self, version: int) -> None:
         self.versions.pop(version, None)
         self.sources.pop(version, None)

@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 
 from lorasync.errors import PublisherClosedError
 
-__all__ = ["UNWIND_S", "DaemonPool", "LoopThread", "finish", "to_thread", "to_thread_pool", "to_thread_untracked", "tracked_calls"]
+__all__ = ["UNWIND_S", "DaemonPool", "LoopThread", "finish", "gather_all", "to_thread", "to_thread_pool", "to_thread_untracked", "tracked_calls"]
 
 T = TypeVar("T")
 
@@ -347,3 +347,19 @@ async def finish(awaitable: Awaitable[T]) -> T:
     if cancelled:
         raise asyncio.CancelledError
     return result
+
+
+async def gather_all(*awaitables: Awaitable[T]) -> list[T]:
+    """Await every one concurrently; a cancel reaches each and is raised only once every one has
+    ended (``asyncio.gather`` raises at the first that ends cancelled, while others may still be
+    finishing work a cancel must wait for).
+
+    Raises:
+        asyncio.CancelledError: the caller was cancelled (every awaitable has ended).
+        BaseException: the first that one of them raised.
+    """
+    results = await asyncio.gather(*awaitables, return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return results  # type: ignore[return-value]

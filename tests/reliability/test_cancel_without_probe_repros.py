@@ -1,0 +1,33 @@
+"""The fourth outside attack of 2026-12-07 on cancelled publishes (``repros/cancel_without_probe/``),
+each repro kept as it was handed over and run in a process of its own; each exits 1 on its bug:
+
+* ``gather_two_engines_in_place``: with two engines, the cancel reached the caller when the first
+  engine's swap ended, while the second's still ran; it later clobbered the next, ok, publish
+  (``lorasync.runtime._loop.gather_all`` now waits for every engine);
+* ``lease_multi_engine_stray``: one engine recorded the cancelled version and another's load,
+  left running, served the trainer's next step under its name; ``lease()`` handed it out;
+* ``in_place_probe_cancel_lease``: in place, a cancelled probed publish was taken out, but
+  ``lease()`` still accepted its version;
+* ``merged_recorded_lease_refused``: a landed, recorded merge was refused by ``lease()``;
+* ``fleet_cancelled_restore_lease``: a cancelled Fleet restore (of files, exact) made the
+  tenant's current version unleasable for good.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent / "repros" / "cancel_without_probe"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in HERE.glob("*.py") if not p.name.startswith("_")))
+def test_repro_holds(script: str, tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), "TMPDIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, str(HERE / script)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, f"{script} shows its bug again:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
