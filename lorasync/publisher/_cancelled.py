@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from lorasync.runtime._loop import tracked_calls
+from lorasync.runtime._loop import BOUND_PASSED, tracked_calls
 from lorasync.adapter._names import served_name
 from lorasync.publisher._retention import Ledger
 from lorasync.errors import EngineTimeoutError
@@ -42,6 +42,7 @@ class _Cancelled:
     version: int
     recorded: bool
     calls: list[concurrent.futures.Future[Any]]
+    waited: bool = False  # the cancel itself waited the bound for them already
 
     @property
     def running(self) -> bool:
@@ -67,9 +68,9 @@ class CancelledCalls:
         with tracked_calls() as calls:
             try:
                 yield
-            except asyncio.CancelledError:
+            except asyncio.CancelledError as exc:
                 ledger.synced = False  # stopped half-way: ask the engine again before trusting it
-                self._left.append(_Cancelled(version, version in ledger.versions, [c for c in calls if not c.done()]))
+                self._left.append(_Cancelled(version, version in ledger.versions, [c for c in calls if not c.done()], BOUND_PASSED in exc.args))
                 raise
 
     async def reconcile(self, ledger: Ledger) -> None:
@@ -83,7 +84,9 @@ class CancelledCalls:
             return
         handle = self._handle
         running = [asyncio.wrap_future(c) for left in self._left for c in left.calls if not c.done()]
-        if running and (await asyncio.wait(running, timeout=CANCELLED_CALL_WAIT_S))[1]:
+        # The bound counts once: a cancel that already waited it out for these calls leaves none.
+        bound = 0.05 if all(left.waited for left in self._left if left.running) else CANCELLED_CALL_WAIT_S
+        if running and (await asyncio.wait(running, timeout=bound))[1]:
             versions = ", ".join(f"v{left.version}" for left in self._left if left.running)
             raise EngineTimeoutError(
                 f"{handle.where} is still busy with the cancelled load of {handle.name} {versions} after "

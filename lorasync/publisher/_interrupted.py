@@ -5,32 +5,44 @@ published (``Publisher._publish_one``): with a probe, or where the delivery read
 tensors or swaps a name in place. Once it has landed, the version is taken out of service
 (unverified: :func:`withdraw_cancelled`) or, without a probe, kept as any load is when it holds
 what was published and taken out when the tensors changed under it (:func:`keep_cancelled`).
-The caller re-raises the cancel either way; a failure here is logged with what may still serve.
+The caller re-raises the cancel either way; a failure here is logged with what may still serve. A
+cancel is held for an engine call ``CANCELLED_CALL_WAIT_S`` at most (:func:`to_the_end`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
 from lorasync.engines._engine import Capabilities
+from lorasync.publisher import _cancelled
 from lorasync.publisher._digest import PublishDigest
 from lorasync.publisher._handle import EngineHandle
 from lorasync.publisher._retention import Ledger
 from lorasync.runtime._loop import finish
 from lorasync.transports._transport import Transport
 
-__all__ = ["keep_cancelled", "withdraw_cancelled"]
+__all__ = ["keep_cancelled", "to_the_end", "withdraw_cancelled"]
+
+T = TypeVar("T")
 
 log = logging.getLogger("lorasync.publish")
+
+
+async def to_the_end(awaitable: Awaitable[T]) -> T:
+    """``finish``, with a cancel held ``CANCELLED_CALL_WAIT_S`` at most: no cancel hangs on an
+    engine call that never returns (it runs on; the next publish waits for it, bounded, as for
+    any call a cancel left running: :mod:`lorasync.publisher._cancelled`)."""
+    return await finish(awaitable, bound=_cancelled.CANCELLED_CALL_WAIT_S)
 
 
 async def withdraw_cancelled(handle: EngineHandle, ledger: Ledger, transport: Transport, version: int, *, caps: Capabilities, previous: Any) -> None:
     """Take a version whose verification was cancelled out of service (in place and merged: the
     previous weights back)."""
     try:
-        await finish(handle.take_out(ledger, transport, version, caps=caps, previous=previous))
+        await to_the_end(handle.take_out(ledger, transport, version, caps=caps, previous=previous))
     except asyncio.CancelledError:
         pass  # it finished; the caller re-raises the cancel it is handling
     except Exception as exc:  # noqa: BLE001 - the cancel goes on; say what is left serving
@@ -51,7 +63,7 @@ async def keep_cancelled(
             await handle.delivered(ledger, transport, version, digest, path=path, restore=restore)
 
     try:
-        await finish(settle())
+        await to_the_end(settle())
     except asyncio.CancelledError:
         pass
     except Exception as exc:  # noqa: BLE001 - the cancel goes on; say what is left serving

@@ -33,9 +33,9 @@ from lorasync.publisher._aftercare import Aftercare
 from lorasync.publisher._digest import PublishDigest, watch_optimizer_steps
 from lorasync.publisher._files import VersionFiles
 from lorasync.publisher._handle import EngineHandle
-from lorasync.publisher._interrupted import keep_cancelled, withdraw_cancelled
+from lorasync.publisher._interrupted import keep_cancelled, to_the_end, withdraw_cancelled
 from lorasync.runtime._lifecycle import async_entry, blocking
-from lorasync.runtime._loop import finish, gather_all
+from lorasync.runtime._loop import gather_all
 from lorasync.runtime._looplock import held
 from lorasync.adapter._names import served_name, validate_name, validate_version
 from lorasync.adapter._probe import Probe
@@ -45,7 +45,7 @@ from lorasync.publisher._select import TRANSPORTS, choose_transport
 from lorasync.publisher._session import PublisherLife, refuse_duplicates
 from lorasync.engines._engine import Capabilities, Engine
 from lorasync.engines._registry import engine_list
-from lorasync.errors import AdapterAlreadyLoadedError, ConfigError, VerificationError
+from lorasync.errors import AdapterAlreadyLoadedError, ConfigError, EngineUnavailableError, VerificationError
 from lorasync.transports._transport import Transport
 from lorasync.transports._base_weights import BaseWeights
 from lorasync.transports._store import DiskStore
@@ -213,20 +213,19 @@ class Publisher(PublisherLife):
         async with held(self._lock), self._disk.cancel_guard(self.name, version, recorded=recorded):
             await self._care.previous_settled()
             self._disk.new_publish()
-            # From here on the publish reads the tensors: a change now tears it (a Fleet round's
-            # digest began watching before it hashed them).
+            # From here the publish reads the tensors: a change tears it (a Fleet round's digest watched earlier).
             digest = digest if digest is not None else PublishDigest(adapter)
             try:
                 done = await gather_all(*(self._guarded(e, adapter, version, digest, probe, restore=restore) for e in self.engines))
+                if len({r.served_name for r, _ in done if r.ok and r.served_name}) > 1:
+                    # Engines serving this content under an older name load it as this version too, so
+                    # report.served_name (what callers put in model=) is served by every engine that is ok.
+                    again = [i for i, (r, _) in enumerate(done) if r.status == "unchanged"]
+                    for i, redone in zip(again, await gather_all(*(self._guarded(self.engines[i], adapter, version, digest, probe, reuse=False, restore=restore) for i in again))):
+                        done[i] = redone
             except asyncio.CancelledError:  # lease refuses it while an engine may serve a load of it no one recorded
                 self._note_unverified(version, cancelled=True) if not restore and not all(ledger.holds(version) for ledger in self._ledgers.values()) else None
                 raise
-            if len({r.served_name for r, _ in done if r.ok and r.served_name}) > 1:
-                # Engines serving this content under an older name load it as this version too, so
-                # report.served_name (what callers put in model=) is served by every engine that is ok.
-                again = [i for i, (r, _) in enumerate(done) if r.status == "unchanged"]
-                for i, redone in zip(again, await gather_all(*(self._guarded(self.engines[i], adapter, version, digest, probe, reuse=False, restore=restore) for i in again))):
-                    done[i] = redone
             results = [r for r, _ in done]
             if all(r.status == "unchanged" for r in results) or digest.torn is not None:
                 await asyncio.to_thread(self._disk.discard, self.name, version)  # written to learn its hash only, or torn
@@ -287,8 +286,10 @@ class Publisher(PublisherLife):
             with handle.cancelled.watch(ledger, version):
                 await handle.cancelled.reconcile(ledger)
                 settle = await self._publish_one(engine, ledger, result, adapter, version, digest, probe, reuse=reuse, restore=restore)
-        except Exception as exc:
-            self._care.failed(engine, result, exc, version)
+        except (Exception, asyncio.CancelledError) as exc:
+            if isinstance(exc, asyncio.CancelledError) and asyncio.current_task().cancelling():  # type: ignore[union-attr]
+                raise  # this publish was cancelled (else the engine's own loop dropped its call: a failure)
+            self._care.failed(engine, result, exc if isinstance(exc, Exception) else EngineUnavailableError(f"{engine.url}: its call was cancelled on the engine's side"), version)
         return result, settle
 
     async def _publish_one(self, engine: Engine, ledger: Ledger, result: EngineResult, adapter: Adapter, version: int, hashing: PublishDigest, probe: Probe | None, *, reuse: bool, restore: bool) -> Transport | None:
@@ -354,7 +355,7 @@ class Publisher(PublisherLife):
         # left running would serve every request the trainer's next step); not for a versioned name.
         delivering = asyncio.ensure_future(transport.deliver(payload, engine, caps, name=self.name, version=version, served=served_name(self.name, version)))
         try:
-            delivery = await (finish(delivering) if probe is not None or not transport.versioned else delivering)
+            delivery = await (to_the_end(delivering) if probe is not None or not transport.versioned else delivering)
         except BaseException as exc:
             landed = isinstance(exc, asyncio.CancelledError) and delivering.done() and not delivering.cancelled() and delivering.exception() is None
             if probe is not None and isinstance(exc, asyncio.CancelledError):
@@ -374,21 +375,20 @@ class Publisher(PublisherLife):
             raise
         result.timings.update(delivery.timings)
         result.bytes_moved, result.served_name = delivery.bytes_moved, delivery.served_name
-        settling = False  # once True, a cancel waits (finish) for the take-out or the record
+        settling = False  # once True, a cancel waits (to_the_end) for the take-out or the record
         try:
             if live and (torn := hashing.changed()) is not None:
                 settling = True
-                await finish(handle.withdraw(ledger, transport, version, caps=caps, previous=previous))  # it read tensors that changed
+                await to_the_end(handle.withdraw(ledger, transport, version, caps=caps, previous=previous))  # it read tensors that changed
                 raise hashing.error(torn, f"while {result.engine} loaded them")
             if probe is not None:
                 t0 = time.perf_counter()
                 await handle.verify(ledger, transport, probe, version, previous=previous, caps=caps)
                 result.timings["verify"] = time.perf_counter() - t0
                 result.reason += "; verified through the engine"
-            # Counted as served only now (design invariant 11): what is recorded here is reported
-            # ``unchanged`` by later publishes, leased and restored from.
+            # Counted as served only now (invariant 11): reported ``unchanged`` later, leased, restored from.
             settling = True
-            await finish(handle.delivered(ledger, transport, version, digest, path=path, restore=path if files else payload))
+            await to_the_end(handle.delivered(ledger, transport, version, digest, path=path, restore=path if files else payload))
         except asyncio.CancelledError:
             if probe is not None and not settling:  # cancelled before the probe passed: never leave unverified weights serving
                 await withdraw_cancelled(handle, ledger, transport, version, caps=caps, previous=previous)

@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 
 from lorasync.errors import PublisherClosedError
 
-__all__ = ["UNWIND_S", "DaemonPool", "LoopThread", "finish", "gather_all", "to_thread", "to_thread_pool", "to_thread_untracked", "tracked_calls"]
+__all__ = ["BOUND_PASSED", "UNWIND_S", "DaemonPool", "LoopThread", "finish", "gather_all", "to_thread", "to_thread_pool", "to_thread_untracked", "tracked_calls"]
 
 T = TypeVar("T")
 
@@ -326,27 +326,44 @@ def _serve(loop: asyncio.AbstractEventLoop) -> None:
 os.register_at_fork(after_in_child=_SHARED.after_fork)
 
 
-async def finish(awaitable: Awaitable[T]) -> T:
+async def finish(awaitable: Awaitable[T], *, bound: float | None = None) -> T:
     """Await ``awaitable`` to its end even if the caller is cancelled meanwhile; a cancel that
-    arrived is raised (``CancelledError``) once it has finished.
+    arrived is raised (``CancelledError``) once it has finished, or ``bound`` seconds after the
+    cancel if it has not (it runs on; a caller that must never hang passes one).
 
     Raises:
-        asyncio.CancelledError: the caller was cancelled while it ran (it did complete).
+        asyncio.CancelledError: the caller was cancelled while it ran (it completed, or the bound passed).
         Exception: whatever ``awaitable`` raised.
     """
     task = asyncio.ensure_future(awaitable)
-    cancelled = False
+    cancelled_at: float | None = None
     while True:
         try:
-            result = await asyncio.shield(task)
+            if cancelled_at is None or bound is None:
+                result = await asyncio.shield(task)
+                break
+            left = cancelled_at + bound - time.monotonic()
+            if left <= 0 or not (await asyncio.wait({task}, timeout=left))[0]:
+                task.add_done_callback(_retrieve)  # left running past the bound: nobody awaits it now
+                raise asyncio.CancelledError(BOUND_PASSED)
+            result = task.result()
             break
         except asyncio.CancelledError:
-            if task.done():  # the work itself was cancelled, not just the caller
-                raise
-            cancelled = True
-    if cancelled:
+            if task.done() or (cancelled_at is not None and bound is not None and time.monotonic() >= cancelled_at + bound):
+                raise  # the work itself was cancelled, or the bound passed
+            cancelled_at = cancelled_at if cancelled_at is not None else time.monotonic()
+    if cancelled_at is not None:
         raise asyncio.CancelledError
     return result
+
+
+#: The message of the ``CancelledError`` :func:`finish` raises when its bound passed before the work ended.
+BOUND_PASSED = "cancelled; the work it waited for still runs past its bound"
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()  # retrieved: no "exception was never retrieved" for work left behind
 
 
 async def gather_all(*awaitables: Awaitable[T]) -> list[T]:

@@ -11,6 +11,13 @@ each repro kept as it was handed over and run in a process of its own; each exit
 * ``merged_recorded_lease_refused``: a landed, recorded merge was refused by ``lease()``;
 * ``fleet_cancelled_restore_lease``: a cancelled Fleet restore (of files, exact) made the
   tenant's current version unleasable for good.
+And from a fifth pass:
+* ``cancel_held_forever_by_stuck_swap``: an engine call that never returned held the cancel, the
+  next publish and ``aclose()`` for ever (``finish(bound=)``; the bound counts once);
+* ``lease_after_cancelled_redo``: a cancel in the second round (engines "unchanged" loaded again
+  under the new name) escaped the lease refusal;
+* ``engine_cancelled_future_untyped``: an engine whose own loop dropped its call (a
+  ``CancelledError`` the caller never asked for) cancelled the whole publish, untyped.
 """
 
 from __future__ import annotations
