@@ -287,8 +287,8 @@ class Publisher(PublisherLife):
                 await handle.cancelled.reconcile(ledger)
                 settle = await self._publish_one(engine, ledger, result, adapter, version, digest, probe, reuse=reuse, restore=restore)
         except (Exception, asyncio.CancelledError) as exc:
-            if isinstance(exc, asyncio.CancelledError) and asyncio.current_task().cancelling():  # type: ignore[union-attr]
-                raise  # this publish was cancelled (else the engine's own loop dropped its call: a failure)
+            if isinstance(exc, asyncio.CancelledError) and getattr(asyncio.current_task(), "cancelling", lambda: 1)():
+                raise  # this publish was cancelled (else the engine's own loop dropped its call: a failure; 3.10 cannot tell)
             self._care.failed(engine, result, exc if isinstance(exc, Exception) else EngineUnavailableError(f"{engine.url}: its call was cancelled on the engine's side"), version)
         return result, settle
 
