@@ -60,6 +60,12 @@ class CancelledCalls:
     def __init__(self, handle: Any) -> None:
         self._handle = handle
         self._left: list[_Cancelled] = []
+        self._work: list[asyncio.Future[Any]] = []  # deliveries a cancel stopped waiting for (past its bound)
+
+    def left_running(self, work: asyncio.Future[Any]) -> None:
+        """A cancel stopped waiting for ``work`` (a whole delivery, which may start more engine
+        calls): the next publish waits for it as for the calls a cancel left running."""
+        self._work.append(work)
 
     @contextlib.contextmanager
     def watch(self, ledger: Ledger, version: int) -> Iterator[None]:
@@ -80,14 +86,15 @@ class CancelledCalls:
         Raises:
             EngineTimeoutError: a cancelled call still runs; nothing was changed (retry later).
         """
-        if not self._left:
+        self._work = [w for w in self._work if not w.done()]
+        if not self._left and not self._work:
             return
         handle = self._handle
-        running = [asyncio.wrap_future(c) for left in self._left for c in left.calls if not c.done()]
+        running = [asyncio.wrap_future(c) for left in self._left for c in left.calls if not c.done()] + self._work
         # The bound counts once: a cancel that already waited it out for these calls leaves none.
         bound = 0.05 if all(left.waited for left in self._left if left.running) else CANCELLED_CALL_WAIT_S
         if running and (await asyncio.wait(running, timeout=bound))[1]:
-            versions = ", ".join(f"v{left.version}" for left in self._left if left.running)
+            versions = ", ".join(f"v{left.version}" for left in self._left if left.running or left.waited)
             raise EngineTimeoutError(
                 f"{handle.where} is still busy with the cancelled load of {handle.name} {versions} after "
                 f"{CANCELLED_CALL_WAIT_S:g} s; nothing was changed and the previous version still serves: retry once it finished",
@@ -101,4 +108,4 @@ class CancelledCalls:
         if stray:
             log.info("%s: unloading %s, loaded by a publish that was cancelled", handle.where, ", ".join(served_name(handle.name, v) for v in stray))
             await handle.unload(ledger, stray)
-        self._left = []
+        self._left, self._work = [], []

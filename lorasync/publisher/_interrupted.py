@@ -24,7 +24,7 @@ from lorasync.publisher._retention import Ledger
 from lorasync.runtime._loop import finish
 from lorasync.transports._transport import Transport
 
-__all__ = ["keep_cancelled", "to_the_end", "withdraw_cancelled"]
+__all__ = ["keep_cancelled", "left_running", "to_the_end", "withdraw_cancelled"]
 
 T = TypeVar("T")
 
@@ -68,3 +68,13 @@ async def keep_cancelled(
         pass
     except Exception as exc:  # noqa: BLE001 - the cancel goes on; say what is left serving
         log.warning("%s: settling %s v%d, delivered as its publish was cancelled, failed (%s); publish again", handle.where, handle.name, version, exc)
+
+
+def left_running(handle: EngineHandle, ledger: Ledger, transport: Transport, version: int, delivery: asyncio.Future[Any]) -> None:
+    """A cancel stopped waiting for ``delivery`` past its bound: it may still swap or merge. What
+    the engine serves in place or merged is unknown from here (never "unchanged" against it, no
+    older version over it), and the next publish waits for the delivery (bounded) before it moves."""
+    handle.cancelled.left_running(delivery)
+    if not transport.versioned:
+        ledger.in_place = ledger.in_place_source = ledger.merged = None
+        ledger.floor = max(version, ledger.floor or version)

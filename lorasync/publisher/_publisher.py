@@ -33,7 +33,7 @@ from lorasync.publisher._aftercare import Aftercare
 from lorasync.publisher._digest import PublishDigest, watch_optimizer_steps
 from lorasync.publisher._files import VersionFiles
 from lorasync.publisher._handle import EngineHandle
-from lorasync.publisher._interrupted import keep_cancelled, to_the_end, withdraw_cancelled
+from lorasync.publisher._interrupted import keep_cancelled, left_running, to_the_end, withdraw_cancelled
 from lorasync.runtime._lifecycle import async_entry, blocking
 from lorasync.runtime._loop import gather_all
 from lorasync.runtime._looplock import held
@@ -311,8 +311,7 @@ class Publisher(PublisherLife):
             await handle.withdraw_unverified(ledger)  # an earlier withdrawal that failed: before anything loads
             self._files.sweep_orphans(self._care.engine_lists())
         t_hash = time.perf_counter()
-        # A new version (every training step) is written now and hashed in the same pass; its
-        # files go again below if the engine already serves identical content.
+        # A new version is written now and hashed in that pass (its files go if the engine serves the same).
         new = transport is self._disk and version > max(ledger.versions, default=-1)
         digest = await hashing.get((lambda: self._staged(adapter, version)) if new else None)
         t0 += time.perf_counter() - t_hash  # the write or hash is reported as such, not as preflight
@@ -351,14 +350,15 @@ class Publisher(PublisherLife):
             self._on_staged()
         path = self._files.path_of(version) if with_files or files else None
         live = payload is adapter and not (transport is self._disk and hashing.from_write)  # it reads the trainer's tensors
-        # A cancel waits for the delivery with a probe (to take it out) and in place or merged (a call
-        # left running would serve every request the trainer's next step); not for a versioned name.
+        # A cancel waits (bounded) with a probe and in place or merged: else a call left running serves the next step.
         delivering = asyncio.ensure_future(transport.deliver(payload, engine, caps, name=self.name, version=version, served=served_name(self.name, version)))
         try:
             delivery = await (to_the_end(delivering) if probe is not None or not transport.versioned else delivering)
         except BaseException as exc:
             landed = isinstance(exc, asyncio.CancelledError) and delivering.done() and not delivering.cancelled() and delivering.exception() is None
-            if probe is not None and isinstance(exc, asyncio.CancelledError):
+            if isinstance(exc, asyncio.CancelledError) and not delivering.done():  # waited for past the bound
+                left_running(handle, ledger, transport, version, delivering)
+            elif probe is not None and isinstance(exc, asyncio.CancelledError):
                 await withdraw_cancelled(handle, ledger, transport, version, caps=caps, previous=previous)
             elif landed:  # recorded like any load if exact, else taken out (publisher/_interrupted)
                 await keep_cancelled(handle, ledger, transport, version, hashing, digest, caps=caps, previous=previous, path=path, restore=path if files else payload, live=live)

@@ -18,6 +18,13 @@ And from a fifth pass:
   under the new name) escaped the lease refusal;
 * ``engine_cancelled_future_untyped``: an engine whose own loop dropped its call (a
   ``CancelledError`` the caller never asked for) cancelled the whole publish, untyped.
+And from a sixth, on that bound:
+* ``merged_rest_of_merge_lands_after_next_ok``: a merge left running past the bound started more
+  calls than the cancel had seen; the next publish merged beside it and its ok was overwritten
+  (the next publish now waits for the whole delivery, bounded: ``CancelledCalls.left_running``);
+* ``merged_late_merge_reported_unchanged``, ``inplace_late_swap_reported_unchanged``: a merge or
+  swap landing after the bound was never noticed, and a publish of the previous content was
+  reported "unchanged" (what serves is unknown from there: ``_interrupted.left_running``).
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from lorasync.exporters import fsdp  # noqa: E402
 from lorasync.publisher._cancelled import CANCELLED_CALL_WAIT_S  # noqa: E402
 from lorasync.testing import make_tiny_model  # noqa: E402
 
-BOUND = CANCELLED_CALL_WAIT_S + 2.0
+BOUND = CANCELLED_CALL_WAIT_S + 10.0  # slack for a loaded CI box: the bug held them for ever
 
 
 class StuckPeftEngine(BusyPeftEngine):
@@ -53,8 +53,8 @@ async def main() -> None:
     done, _ = await asyncio.wait([task, nxt], timeout=BOUND)
     print(f"after {BOUND:g} s: cancel returned: {task in done} | next publish returned: {nxt in done}")
     closing = asyncio.ensure_future(pub.aclose())
-    await asyncio.wait([closing], timeout=2.0)
-    print("aclose() returned within 2 s:", closing.done())
+    await asyncio.wait([closing], timeout=10.0)
+    print("aclose() returned within 10 s:", closing.done())
     ok = task.done() and nxt.done() and closing.done()
     b.go.set()  # let the stuck swap end so the script can clean up
     await asyncio.gather(task, nxt, closing, return_exceptions=True)
