@@ -1,12 +1,13 @@
 """What a cancelled publish leaves on one engine, settled to its end even if cancelled again.
 
 A cancel waits for a delivery it cannot stop where leaving it running would serve weights no one
-published (``Publisher._publish_one``): with a probe, or where the delivery reads the trainer's own
-tensors or swaps a name in place. Once it has landed, the version is taken out of service
-(unverified: :func:`withdraw_cancelled`) or, without a probe, kept as any load is when it holds
-what was published and taken out when the tensors changed under it (:func:`keep_cancelled`).
-The caller re-raises the cancel either way; a failure here is logged with what may still serve. A
-cancel is held for an engine call ``CANCELLED_CALL_WAIT_S`` at most (:func:`to_the_end`).
+published (``Publisher._publish_one``): with a probe, or where the delivery swaps a name in place
+or merges. Once it has landed, the version is taken out of service (unverified:
+:func:`withdraw_cancelled`) or, without a probe, kept as any load is when it holds what was
+published and taken out when the tensors changed under it (:func:`keep_cancelled`). The caller
+re-raises the cancel either way; a failure here is logged with what may still serve. A cancel is
+held ``CANCELLED_CALL_WAIT_S`` at most (:func:`to_the_end`); a delivery still running then is the
+next publish's to wait for, and what serves in place or merged is unknown (:func:`left_running`).
 """
 
 from __future__ import annotations
