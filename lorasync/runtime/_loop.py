@@ -18,6 +18,7 @@ same lock (:class:`~lorasync.runtime._looplock.LoopLock`).
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import contextlib
 import contextvars
@@ -40,6 +41,11 @@ T = TypeVar("T")
 #: How long a cancelled background phase, or the loop thread's leftover tasks, get to unwind. A
 #: cancellation lands at the next await, at once, unless the loop it runs on is itself blocked.
 UNWIND_S = 2.0
+
+#: How long the interpreter's exit waits, in all, for calls still running in lorasync's threads
+#: (see the module docstring): long enough for a call that was ending, short of holding an exit
+#: on a stuck engine.
+EXIT_WAIT_S = 2.0
 
 #: Loops a forked child inherited: kept referenced and never closed there, because closing (or
 #: collecting) one would unregister its descriptors from the epoll set it shares with the parent.
@@ -67,6 +73,9 @@ class DaemonPool(concurrent.futures.ThreadPoolExecutor):
         self._queued = 0  # work not taken yet
         self._shut = False
         self._ids = itertools.count()
+        self._running = 0  # calls in progress
+        self._ended = threading.Condition(self._mutex)
+        _ALL.add(self)
 
     def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> concurrent.futures.Future[T]:  # type: ignore[override]
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
@@ -100,10 +109,16 @@ class DaemonPool(concurrent.futures.ThreadPoolExecutor):
                 self._queued -= 1
             future, call = item
             if future.set_running_or_notify_cancel():
+                with self._mutex:
+                    self._running += 1
                 try:
                     future.set_result(call())
                 except BaseException as exc:  # noqa: BLE001 - handed to whoever awaits it
                     future.set_exception(exc)
+                finally:
+                    with self._mutex:
+                        self._running -= 1
+                        self._ended.notify_all()
             del item, future, call
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
@@ -125,12 +140,31 @@ class DaemonPool(concurrent.futures.ThreadPoolExecutor):
             thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         return not any(t.is_alive() for t in threads)
 
+    def wait_running(self, deadline: float) -> bool:
+        """Wait until no call runs in this pool, or ``deadline`` (``time.monotonic()``); whether none runs."""
+        with self._mutex:
+            return self._ended.wait_for(lambda: self._running == 0, max(0.0, deadline - time.monotonic()))
+
     def after_fork(self) -> None:
         """In a forked child: the parent's threads do not exist here; start afresh."""
         self._mutex = threading.Lock()
+        self._ended = threading.Condition(self._mutex)
         self._queue = queue.SimpleQueue()
         self._threads = set()
-        self._free = self._queued = 0
+        self._free = self._queued = self._running = 0
+
+
+#: Every pool, for :func:`_drain_at_exit`.
+_ALL: weakref.WeakSet[DaemonPool] = weakref.WeakSet()
+
+
+@atexit.register
+def _drain_at_exit() -> None:
+    """Give calls still running in lorasync's threads :data:`EXIT_WAIT_S` in all to end (see the
+    module docstring)."""
+    deadline = time.monotonic() + EXIT_WAIT_S
+    for pool in list(_ALL):
+        pool.wait_running(deadline)
 
 
 #: Where :func:`to_thread` runs calls from a loop that is not a publisher's own (the caller's).

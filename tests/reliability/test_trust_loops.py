@@ -157,6 +157,42 @@ def test_a_script_that_never_closes_its_publisher_exits_promptly(tmp_path):
     assert "Traceback" not in proc.stderr, proc.stderr
 
 
+_TORCH_AT_EXIT = """
+import sys, time
+import torch
+from lorasync import Publisher
+from lorasync.testing import MemoryEngine
+from tests.support.adapters import tiny_adapter as adapter
+
+class BusyUnload(MemoryEngine):
+    def unload_adapter(self, name):
+        time.sleep(0.3)  # the script's last line runs meanwhile
+        a, began = torch.randn(300, 300), time.monotonic()
+        while time.monotonic() - began < 0.6:  # short C++ calls with the GIL let go, for 0.6 s
+            a = a @ a.T / 300  # however loaded the box: one of them ends while the interpreter does
+        super().unload_adapter(name)
+
+pub = Publisher([BusyUnload()], name="p", keep=1, root=sys.argv[1], grace=0.0)
+pub.publish(adapter(1), version=1)
+pub.publish(adapter(2), version=2)  # its retirement of v1 runs on, in the background
+time.sleep(0.35)
+print("END", time.monotonic(), flush=True)
+"""
+
+
+def test_a_script_that_ends_while_an_engine_call_runs_torch_code_exits_cleanly(tmp_path):
+    # CI of 8569189: a repro script's last line ran, then the process aborted ("terminate called
+    # without an active exception", -6): a lorasync daemon thread came back from torch while the
+    # interpreter finalized. This script aborted 5 of 5 runs before the exit waited for such calls.
+    for attempt in range(3):
+        proc = subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(_TORCH_AT_EXIT), str(tmp_path / str(attempt))],
+            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=BOUND_S,
+        )  # fmt: skip
+        assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+        assert "END" in proc.stdout and "terminate called" not in proc.stderr, proc.stderr[-2000:]
+
+
 # -- item 18: a publisher nobody closed is closed when it is collected -------------------------------
 
 
