@@ -23,10 +23,15 @@ import torch
 # and then v2 and v3 are published while they run. An earlier design waited on /metrics for a
 # batch of 480-token requests, and on a loaded CI box the batch ran out while /metrics answered.
 CONTEXT = 4096
-# Tokens of each in-flight request: about 12-16 s of decoding for the four together on a 2-core
-# box. 1600 (about 8 s) was as long as v2's publish took there while the four streamed (the
-# test's process, the API server and the engine share the two cores), so v1 often ended first.
-LONG = 3200
+# It is wider and deeper than the shared one too, so a decoding step costs compute rather than
+# vLLM's per-token work: with the shared model's 700 tokens/s across four streams, vLLM CPU 0.32's
+# API server fell behind on a 2-core box and answered nothing else until the streams ended (a
+# /metrics read waited 32 s, v3's load 35 s: the publishes missed the requests in three runs of
+# one CI job). At this size the four stream about 190 tokens/s and the server answers in 10 ms.
+MODEL = {"hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64}
+# Tokens of each in-flight request: about 17 s of decoding for the four together on a 2-core box,
+# of which v2's and v3's publishes took under 1 s there.
+LONG = 800
 V1_REQUESTS = 4  # with --max-num-seqs 4 all decode at once, each streaming its tokens
 PROMPT = [5, 17, 99, 230, 41]
 
@@ -124,7 +129,7 @@ def run_vllm_inflight(model_dir: Path, python: Path, work: Path) -> dict[str, An
     torch.set_num_threads(1)
     work.mkdir(parents=True, exist_ok=True)
     model_dir = work / "tiny-long"
-    make_tiny_model(model_dir, max_position_embeddings=CONTEXT)
+    make_tiny_model(model_dir, max_position_embeddings=CONTEXT, **MODEL)
     models = {v: make_peft_model(AutoModelForCausalLM.from_pretrained(model_dir), seed=300 + v) for v in (1, 2, 3)}
     violations: list[str] = []
     timeline: list[tuple[float, str]] = []
