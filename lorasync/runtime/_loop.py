@@ -8,6 +8,15 @@ Blocking engine and file calls run in daemon threads of lorasync's own (:func:`t
 publish's background retirement stuck in a slow engine unload must not hold a script's exit, or
 the exit of ``asyncio.run``, until the engine answers (issue 33, items 13 and 17). Whatever such a
 call left undone is found again from the engine's own listing by the next publisher of the run.
+At the interpreter's exit no call starts any more, and calls still running get
+:data:`EXIT_WAIT_S` in all to end (:func:`_drain_at_exit`): a daemon thread that comes back from
+C++ code (a torch copy) after the interpreter began to finalize is torn down by ``pthread_exit``
+through ``noexcept`` frames, and the process aborts (``terminate called without an active
+exception``, exit status -6) after the script's last line ran well. A background phase's next
+call (the loop thread lives on until the end) would start just as the wait ended, so none is
+started: its future stays pending, and what it would have done is found again, as above. Calls
+stuck longer are left as before: the exit is not held. A forked child's pools start afresh
+(:func:`_after_fork_in_child`): its exit waits for none of its parent's calls.
 
 ``Publisher.publish`` (sync) submits its coroutine to the loop thread, so engine clients keep
 their connections (and TLS setup) from step to step, whether or not the caller's thread already
@@ -79,6 +88,8 @@ class DaemonPool(concurrent.futures.ThreadPoolExecutor):
 
     def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> concurrent.futures.Future[T]:  # type: ignore[override]
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        if _EXITING.is_set():
+            return future  # never run (see the module docstring); its awaiter ends with the process
         with self._mutex:
             if self._shut:
                 raise RuntimeError("cannot schedule new work after shutdown")
@@ -108,6 +119,9 @@ class DaemonPool(concurrent.futures.ThreadPoolExecutor):
                     continue  # work came in meanwhile: take it
                 self._queued -= 1
             future, call = item
+            if _EXITING.is_set():
+                del item, future, call
+                continue  # left pending: nothing starts once the interpreter exits
             if future.set_running_or_notify_cancel():
                 with self._mutex:
                     self._running += 1
@@ -154,17 +168,27 @@ class DaemonPool(concurrent.futures.ThreadPoolExecutor):
         self._free = self._queued = self._running = 0
 
 
-#: Every pool, for :func:`_drain_at_exit`.
+#: Every pool, for :func:`_drain_at_exit` and :func:`_after_fork_in_child`.
 _ALL: weakref.WeakSet[DaemonPool] = weakref.WeakSet()
+#: Set once the interpreter exits: no call starts after that (see the module docstring).
+_EXITING = threading.Event()
 
 
 @atexit.register
 def _drain_at_exit() -> None:
-    """Give calls still running in lorasync's threads :data:`EXIT_WAIT_S` in all to end (see the
-    module docstring)."""
+    """Start no more calls; give those still running in lorasync's threads :data:`EXIT_WAIT_S` in
+    all to end (see the module docstring)."""
+    _EXITING.set()
     deadline = time.monotonic() + EXIT_WAIT_S
     for pool in list(_ALL):
         pool.wait_running(deadline)
+
+
+def _after_fork_in_child() -> None:
+    """Every pool starts afresh in a forked child: the parent's threads, their calls and a lock one
+    of them may have held do not exist there (the child's exit waits for none of them)."""
+    for pool in list(_ALL):
+        pool.after_fork()
 
 
 #: Where :func:`to_thread` runs calls from a loop that is not a publisher's own (the caller's).
@@ -357,7 +381,7 @@ def _serve(loop: asyncio.AbstractEventLoop) -> None:
             loop.close()
 
 
-os.register_at_fork(after_in_child=_SHARED.after_fork)
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 async def finish(awaitable: Awaitable[T], *, bound: float | None = None) -> T:

@@ -193,6 +193,127 @@ def test_a_script_that_ends_while_an_engine_call_runs_torch_code_exits_cleanly(t
         assert "END" in proc.stdout and "terminate called" not in proc.stderr, proc.stderr[-2000:]
 
 
+_NEXT_CALL_AT_EXIT = r"""
+import sys, time, tempfile, threading
+import atexit, json, os, torch
+
+class MetricsWriter:  # a TensorBoard / wandb-like writer: a thread flushes, close() joins it
+    def __init__(self):
+        self.path = os.path.join(tempfile.mkdtemp(), "metrics.jsonl")
+        self.closing = threading.Event()
+        self.thread = threading.Thread(target=self._flush_loop, daemon=True)
+        self.thread.start()
+    def _flush_loop(self):
+        self.closing.wait()
+        time.sleep(0.2)  # the last batch goes out
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": 4}) + "\n")
+    def close(self):
+        self.closing.set()
+        self.thread.join()
+
+writer = MetricsWriter()
+atexit.register(writer.close)  # registered before lorasync is imported: runs after its drain
+from lorasync import Publisher
+from lorasync.testing import MemoryEngine
+from tests.support.adapters import tiny_adapter as adapter
+
+ended, entered = threading.Event(), threading.Event()
+
+def torch_work(s):
+    a, began = torch.randn(300, 300), time.monotonic()
+    while time.monotonic() - began < s:  # short C++ calls with the GIL let go
+        a = a @ a.T / 300
+
+class Engine(MemoryEngine):
+    armed = False
+    def unload_adapter(self, name):
+        if self.armed:
+            if name.endswith("@v1"):
+                entered.set()
+                ended.wait(10)
+                time.sleep(0.3)  # the engine takes a moment; the script's last line has run
+            else:
+                torch_work(0.6)  # the retirement's next unload
+        super().unload_adapter(name)
+
+engine = Engine()
+pub = Publisher([engine], name="p", keep=1, root=tempfile.mkdtemp(), grace=0.0)
+pub.pin(1); pub.pin(2)
+pub.publish(adapter(1), version=1)
+pub.publish(adapter(2), version=2)
+pub.publish(adapter(3), version=3).settled()  # its retirement (nothing: v1, v2 pinned) ends
+pub.unpin(1); pub.unpin(2)
+engine.armed = True
+pub.publish(adapter(4), version=4)  # retires v1, v2, v3 one after the other
+entered.wait(10)  # (the retirement is under way)
+print("END", flush=True)
+ended.set()
+"""
+
+
+def test_a_script_that_ends_while_a_retirement_unloads_several_versions_exits_cleanly(tmp_path):
+    # Outside attack on 4acc091: the exit's wait ended with the first unload, and the loop thread
+    # (alive to the end) started the next one, in torch, as the interpreter finalized: -6 again,
+    # 3 of 3 runs. No call starts once the interpreter exits now.
+    for attempt in range(3):
+        proc = subprocess.run(
+            [sys.executable, "-c", _NEXT_CALL_AT_EXIT], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+            capture_output=True, text=True, timeout=BOUND_S,
+        )  # fmt: skip
+        assert proc.returncode == 0 and "END" in proc.stdout, (attempt, proc.returncode, proc.stderr[-2000:])
+
+
+_FORKED_CHILD = """
+import os, sys, tempfile, threading, time
+from lorasync import Publisher
+from lorasync.testing import MemoryEngine
+from tests.support.adapters import tiny_adapter as adapter
+
+class SlowUnload(MemoryEngine):
+    def __init__(self):
+        super().__init__()
+        self.unloading = threading.Event()
+    def unload_adapter(self, name):
+        self.unloading.set()
+        time.sleep(8)  # a slow engine unload, in the publisher's background retirement
+        super().unload_adapter(name)
+
+def child_exit_seconds(drain):
+    t0 = time.monotonic()
+    pid = os.fork()
+    if pid == 0:  # the worker does nothing with lorasync and exits normally
+        if not drain:  # the baseline: the same child with the exit's wait off
+            import lorasync.runtime._loop as _loop
+            _loop.EXIT_WAIT_S = 0.0
+        sys.exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, status
+    return time.monotonic() - t0
+
+engine = SlowUnload()
+pub = Publisher([engine], name="p", keep=1, root=sys.argv[1], grace=0.0)
+pub.publish(adapter(1), version=1)
+pub.publish(adapter(2), version=2)  # its retirement of v1 runs on in the background
+assert engine.unloading.wait(10)
+base, during = child_exit_seconds(False), child_exit_seconds(True)
+print("EXTRA", during - base, flush=True)
+os._exit(0)  # the parent does not wait for the slow unload
+"""
+
+
+def test_a_forked_child_exits_without_waiting_for_its_parents_calls(tmp_path):
+    # Outside attack on 4acc091: the publisher loop's pool was not reset in a forked child, whose
+    # exit then waited the full 2 s for a call that ran only in its parent (1.6-2.0 s more).
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_FORKED_CHILD), str(tmp_path)], cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=BOUND_S,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    extra = float(proc.stdout.split("EXTRA")[-1])
+    assert extra < 1.0, f"a forked child's exit waited {extra:.2f} s more for a call that runs only in its parent"
+
+
 # -- item 18: a publisher nobody closed is closed when it is collected -------------------------------
 
 
