@@ -6,14 +6,17 @@ or merges. Once it has landed, the version is taken out of service (unverified:
 :func:`withdraw_cancelled`) or, without a probe, kept as any load is when it holds what was
 published and taken out when the tensors changed under it (:func:`keep_cancelled`). The caller
 re-raises the cancel either way; a failure here is logged with what may still serve. A cancel is
-held ``CANCELLED_CALL_WAIT_S`` at most (:func:`to_the_end`); a delivery still running then is the
-next publish's to wait for, and what serves in place or merged is unknown (:func:`left_running`).
+held ``CANCELLED_CALL_WAIT_S`` at most (:func:`to_the_end`), the take-out or record after a landed
+delivery included (the bound counts from the cancel, not from a second one that never comes); a
+delivery, take-out or record still running then is the next publish's to wait for, and what serves
+in place or merged is unknown (:func:`left_running`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable
 from typing import Any, TypeVar
 
@@ -32,26 +35,52 @@ T = TypeVar("T")
 log = logging.getLogger("lorasync.publish")
 
 
-async def to_the_end(awaitable: Awaitable[T]) -> T:
+async def to_the_end(awaitable: Awaitable[T], *, cancelled_at: float | None = None) -> T:
     """``finish``, with a cancel held ``CANCELLED_CALL_WAIT_S`` at most: no cancel hangs on an
     engine call that never returns (it runs on; the next publish waits for it, bounded, as for
-    any call a cancel left running: :mod:`lorasync.publisher._cancelled`)."""
-    return await finish(awaitable, bound=_cancelled.CANCELLED_CALL_WAIT_S)
+    any call a cancel left running: :mod:`lorasync.publisher._cancelled`). ``cancelled_at``: the
+    caller handles a cancel that came then; the bound counts from it."""
+    return await finish(awaitable, bound=_cancelled.CANCELLED_CALL_WAIT_S, cancelled_at=cancelled_at)
 
 
-async def withdraw_cancelled(handle: EngineHandle, ledger: Ledger, transport: Transport, version: int, *, caps: Capabilities, previous: Any) -> None:
-    """Take a version whose verification was cancelled out of service (in place and merged: the
-    previous weights back)."""
+async def _settled(handle: EngineHandle, ledger: Ledger, transport: Transport, version: int, work: Awaitable[None], cancelled_at: float | None) -> None:
+    """Run ``work`` (a take-out or record after a cancel) to its end, within the cancel's bound
+    counted from ``cancelled_at`` (now if None); past it, the next publish waits for it and what
+    serves in place or merged is unknown (:func:`left_running`), as for a delivery."""
+    task = asyncio.ensure_future(work)
     try:
-        await to_the_end(handle.take_out(ledger, transport, version, caps=caps, previous=previous))
+        await to_the_end(task, cancelled_at=time.monotonic() if cancelled_at is None else cancelled_at)
     except asyncio.CancelledError:
-        pass  # it finished; the caller re-raises the cancel it is handling
+        if not task.done():
+            left_running(handle, ledger, transport, version, task)
+        # else it finished; the caller re-raises the cancel it is handling
+
+
+async def withdraw_cancelled(
+    handle: EngineHandle, ledger: Ledger, transport: Transport, version: int, *, caps: Capabilities, previous: Any, cancelled_at: float | None = None
+) -> None:
+    """Take a version whose verification was cancelled (at ``cancelled_at``, now if None) out of
+    service (in place and merged: the previous weights back)."""
+    try:
+        await _settled(handle, ledger, transport, version, handle.take_out(ledger, transport, version, caps=caps, previous=previous), cancelled_at)
     except Exception as exc:  # noqa: BLE001 - the cancel goes on; say what is left serving
         log.warning("%s: taking %s v%d out of service after its verification was cancelled failed (%s); publish again or unload it", handle.where, handle.name, version, exc)
 
 
 async def keep_cancelled(
-    handle: EngineHandle, ledger: Ledger, transport: Transport, version: int, hashing: PublishDigest, digest: str, *, caps: Capabilities, previous: Any, path: str | None, restore: Any, live: bool
+    handle: EngineHandle,
+    ledger: Ledger,
+    transport: Transport,
+    version: int,
+    hashing: PublishDigest,
+    digest: str,
+    *,
+    caps: Capabilities,
+    previous: Any,
+    path: str | None,
+    restore: Any,
+    live: bool,
+    cancelled_at: float | None = None,
 ) -> None:
     """A publish without a probe was cancelled after its delivery landed: record the version as
     served if it holds what was published (``live``: it read the trainer's tensors, which must not
@@ -64,9 +93,7 @@ async def keep_cancelled(
             await handle.delivered(ledger, transport, version, digest, path=path, restore=restore)
 
     try:
-        await to_the_end(settle())
-    except asyncio.CancelledError:
-        pass
+        await _settled(handle, ledger, transport, version, settle(), cancelled_at)
     except Exception as exc:  # noqa: BLE001 - the cancel goes on; say what is left serving
         log.warning("%s: settling %s v%d, delivered as its publish was cancelled, failed (%s); publish again", handle.where, handle.name, version, exc)
 

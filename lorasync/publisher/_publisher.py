@@ -359,9 +359,9 @@ class Publisher(PublisherLife):
             if isinstance(exc, asyncio.CancelledError) and not delivering.done():  # waited for past the bound
                 left_running(handle, ledger, transport, version, delivering)
             elif probe is not None and isinstance(exc, asyncio.CancelledError):
-                await withdraw_cancelled(handle, ledger, transport, version, caps=caps, previous=previous)
+                await withdraw_cancelled(handle, ledger, transport, version, caps=caps, previous=previous, cancelled_at=getattr(exc, "cancelled_at", None))
             elif landed:  # recorded like any load if exact, else taken out (publisher/_interrupted)
-                await keep_cancelled(handle, ledger, transport, version, hashing, digest, caps=caps, previous=previous, path=path, restore=path if files else payload, live=live)
+                await keep_cancelled(handle, ledger, transport, version, hashing, digest, caps=caps, previous=previous, path=path, restore=path if files else payload, live=live, cancelled_at=getattr(exc, "cancelled_at", None))
                 raise
             elif transport.versioned and not with_files and not isinstance(exc, AdapterAlreadyLoadedError):
                 # The load may have landed before its answer was lost (dropped, timed out, the engine

@@ -384,17 +384,22 @@ def _serve(loop: asyncio.AbstractEventLoop) -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-async def finish(awaitable: Awaitable[T], *, bound: float | None = None) -> T:
+async def finish(awaitable: Awaitable[T], *, bound: float | None = None, cancelled_at: float | None = None) -> T:
     """Await ``awaitable`` to its end even if the caller is cancelled meanwhile; a cancel that
     arrived is raised (``CancelledError``) once it has finished, or ``bound`` seconds after the
     cancel if it has not (it runs on; a caller that must never hang passes one).
 
+    Args:
+        cancelled_at: the caller was cancelled already, at this ``time.monotonic()`` (it handles
+            that cancel by running ``awaitable``): the bound counts from then, and the cancel is
+            raised at the end as for one that arrives meanwhile.
+
     Raises:
-        asyncio.CancelledError: the caller was cancelled while it ran (it completed, or the bound passed).
+        asyncio.CancelledError: the caller was cancelled while it ran (it completed, or the bound
+            passed: ``BOUND_PASSED``); its ``cancelled_at`` attribute says when the cancel came.
         Exception: whatever ``awaitable`` raised.
     """
     task = asyncio.ensure_future(awaitable)
-    cancelled_at: float | None = None
     while True:
         try:
             if cancelled_at is None or bound is None:
@@ -403,16 +408,23 @@ async def finish(awaitable: Awaitable[T], *, bound: float | None = None) -> T:
             left = cancelled_at + bound - time.monotonic()
             if left <= 0 or not (await asyncio.wait({task}, timeout=left))[0]:
                 task.add_done_callback(_retrieve)  # left running past the bound: nobody awaits it now
-                raise asyncio.CancelledError(BOUND_PASSED)
+                raise _cancel(cancelled_at, BOUND_PASSED)
             result = task.result()
             break
-        except asyncio.CancelledError:
+        except asyncio.CancelledError as exc:
             if task.done() or (cancelled_at is not None and bound is not None and time.monotonic() >= cancelled_at + bound):
+                exc.cancelled_at = getattr(exc, "cancelled_at", None) or cancelled_at  # type: ignore[attr-defined]
                 raise  # the work itself was cancelled, or the bound passed
             cancelled_at = cancelled_at if cancelled_at is not None else time.monotonic()
     if cancelled_at is not None:
-        raise asyncio.CancelledError
+        raise _cancel(cancelled_at)
     return result
+
+
+def _cancel(cancelled_at: float, *args: str) -> asyncio.CancelledError:
+    exc = asyncio.CancelledError(*args)
+    exc.cancelled_at = cancelled_at  # type: ignore[attr-defined]
+    return exc
 
 
 #: The message of the ``CancelledError`` :func:`finish` raises when its bound passed before the work ended.
