@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from lorasync.runtime._loop import UNWIND_S, LoopThread
+from lorasync.runtime._loop import UNWIND_S, LoopThread, in_background
 from lorasync.errors import PublisherClosedError
 
 __all__ = ["Background", "Pending"]
@@ -108,6 +108,7 @@ class Background:
 
     async def _drive(self, run: _Run) -> None:
         me = asyncio.current_task()
+        in_background()  # this task's own context: nobody waits for its calls at the exit
         handed_over = False
         try:
             await run.work()
@@ -129,6 +130,7 @@ class Background:
         run.task = None
 
         async def again() -> None:
+            in_background()
             try:
                 await run.work()
             except asyncio.CancelledError:

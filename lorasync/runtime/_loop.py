@@ -8,14 +8,16 @@ Blocking engine and file calls run in daemon threads of lorasync's own (:func:`t
 publish's background retirement stuck in a slow engine unload must not hold a script's exit, or
 the exit of ``asyncio.run``, until the engine answers (issue 33, items 13 and 17). Whatever such a
 call left undone is found again from the engine's own listing by the next publisher of the run.
-At the interpreter's exit no call starts any more, and calls still running get
-:data:`EXIT_WAIT_S` in all to end (:func:`_drain_at_exit`): a daemon thread that comes back from
-C++ code (a torch copy) after the interpreter began to finalize is torn down by ``pthread_exit``
-through ``noexcept`` frames, and the process aborts (``terminate called without an active
-exception``, exit status -6) after the script's last line ran well. A background phase's next
-call (the loop thread lives on until the end) would start just as the wait ended, so none is
-started: its future stays pending, and what it would have done is found again, as above. Calls
-stuck longer are left as before: the exit is not held. A forked child's pools start afresh
+At the interpreter's exit, calls still running get :data:`EXIT_WAIT_S` in all to end
+(:func:`_drain_at_exit`): a daemon thread that comes back from C++ code (a torch copy) after the
+interpreter began to finalize is torn down by ``pthread_exit`` through ``noexcept`` frames, and the
+process aborts (``terminate called without an active exception``, exit status -6) after the
+script's last line ran well. A background phase's next call (the loop thread lives on until the
+end, and nobody waits for the phase) would start just as the wait ended, so none starts from then
+on (:func:`in_background`; it is cancelled, and what it would have done is found again, as above).
+A call someone waits for still runs: an exit hook registered before lorasync was imported runs
+after the drain, and its ``publish()`` or ``close()`` must end as at any other time. Calls stuck
+longer are left as before: the exit is not held. A forked child's pools start afresh
 (:func:`_after_fork_in_child`): its exit waits for none of its parent's calls.
 
 ``Publisher.publish`` (sync) submits its coroutine to the loop thread, so engine clients keep
@@ -43,7 +45,7 @@ from typing import Any, TypeVar
 
 from lorasync.errors import PublisherClosedError
 
-__all__ = ["BOUND_PASSED", "UNWIND_S", "DaemonPool", "LoopThread", "finish", "gather_all", "to_thread", "to_thread_pool", "to_thread_untracked", "tracked_calls"]
+__all__ = ["BOUND_PASSED", "UNWIND_S", "DaemonPool", "LoopThread", "finish", "gather_all", "in_background", "to_thread", "to_thread_pool", "to_thread_untracked", "tracked_calls"]
 
 T = TypeVar("T")
 
@@ -75,7 +77,7 @@ class DaemonPool(concurrent.futures.ThreadPoolExecutor):
         self._name = name
         self._max = max_workers
         self._idle_s = idle_s
-        self._queue: queue.SimpleQueue[tuple[concurrent.futures.Future[Any], Callable[[], Any]] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[concurrent.futures.Future[Any], Callable[[], Any], bool] | None] = queue.SimpleQueue()
         self._mutex = threading.Lock()
         self._threads: set[threading.Thread] = set()
         self._free = 0  # threads waiting for work
@@ -88,13 +90,15 @@ class DaemonPool(concurrent.futures.ThreadPoolExecutor):
 
     def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> concurrent.futures.Future[T]:  # type: ignore[override]
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
-        if _EXITING.is_set():
-            return future  # never run (see the module docstring); its awaiter ends with the process
+        background = _BACKGROUND.get()
+        if background and _EXITING.is_set():
+            future.cancel()  # a background phase's call, at the exit: none starts (module docstring)
+            return future
         with self._mutex:
             if self._shut:
                 raise RuntimeError("cannot schedule new work after shutdown")
             self._queued += 1
-            self._queue.put((future, functools.partial(fn, *args, **kwargs)))
+            self._queue.put((future, functools.partial(fn, *args, **kwargs), background))
             if self._free < self._queued and len(self._threads) < self._max:
                 thread = threading.Thread(target=self._work, name=f"{self._name}_{next(self._ids)}", daemon=True)
                 self._threads.add(thread)
@@ -118,10 +122,11 @@ class DaemonPool(concurrent.futures.ThreadPoolExecutor):
                         return
                     continue  # work came in meanwhile: take it
                 self._queued -= 1
-            future, call = item
-            if _EXITING.is_set():
+            future, call, background = item
+            if background and _EXITING.is_set():
+                future.cancel()  # queued by a background phase before the exit: it does not start now
                 del item, future, call
-                continue  # left pending: nothing starts once the interpreter exits
+                continue
             if future.set_running_or_notify_cancel():
                 with self._mutex:
                     self._running += 1
@@ -170,14 +175,22 @@ class DaemonPool(concurrent.futures.ThreadPoolExecutor):
 
 #: Every pool, for :func:`_drain_at_exit` and :func:`_after_fork_in_child`.
 _ALL: weakref.WeakSet[DaemonPool] = weakref.WeakSet()
-#: Set once the interpreter exits: no call starts after that (see the module docstring).
+#: Set once the interpreter exits: no background phase's call starts after that (module docstring).
 _EXITING = threading.Event()
+#: Whether the calls started in this context are a background phase's (:func:`in_background`).
+_BACKGROUND: contextvars.ContextVar[bool] = contextvars.ContextVar("lorasync_background", default=False)
+
+
+def in_background() -> None:
+    """Mark the current task as a background phase that nobody waits for (a publish's retirement):
+    at the interpreter's exit none of its calls start (see the module docstring)."""
+    _BACKGROUND.set(True)
 
 
 @atexit.register
 def _drain_at_exit() -> None:
-    """Start no more calls; give those still running in lorasync's threads :data:`EXIT_WAIT_S` in
-    all to end (see the module docstring)."""
+    """Start no more calls of background phases; give those still running in lorasync's threads
+    :data:`EXIT_WAIT_S` in all to end (see the module docstring)."""
     _EXITING.set()
     deadline = time.monotonic() + EXIT_WAIT_S
     for pool in list(_ALL):

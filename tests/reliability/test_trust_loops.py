@@ -314,6 +314,44 @@ def test_a_forked_child_exits_without_waiting_for_its_parents_calls(tmp_path):
     assert extra < 1.0, f"a forked child's exit waited {extra:.2f} s more for a call that runs only in its parent"
 
 
+_HOOK_BEFORE_IMPORT = r"""
+import atexit, sys, tempfile, time
+
+state = {}
+
+def publish_final_step():  # the trainer's shutdown hook, registered before lorasync is imported
+    pub = state["pub"]
+    report = pub.publish(adapter(3), version=3)
+    print("FINAL", report.ok, report.results[0].status, flush=True)
+    pub.close()
+    print("CLOSED", flush=True)
+
+atexit.register(publish_final_step)  # atexit runs it after lorasync's own exit hook
+
+from lorasync import Publisher
+from lorasync.testing import MemoryEngine
+from tests.support.adapters import tiny_adapter as adapter
+
+pub = Publisher([MemoryEngine()], name="p", keep=1, root=sys.argv[1])
+state["pub"] = pub
+assert pub.publish(adapter(1), version=1).ok
+assert pub.publish(adapter(2), version=2).ok
+print("END", flush=True)
+"""
+
+
+def test_an_exit_hook_registered_before_lorasync_publishes_and_closes(tmp_path):
+    # Outside attack on 4219de7: once lorasync's exit hook had run, every call started later hung
+    # (its future never ran), so a trainer's earlier-registered hook "publish the last step, close"
+    # held the process for ever. Only a background phase's calls are refused at the exit now.
+    proc = subprocess.run(
+        [sys.executable, "-c", _HOOK_BEFORE_IMPORT, str(tmp_path)], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True, text=True, timeout=BOUND_S,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "FINAL True loaded" in proc.stdout and "CLOSED" in proc.stdout, (proc.stdout, proc.stderr[-2000:])
+
+
 # -- item 18: a publisher nobody closed is closed when it is collected -------------------------------
 
 
