@@ -35,7 +35,7 @@ from lorasync.publisher._files import VersionFiles
 from lorasync.publisher._handle import EngineHandle
 from lorasync.publisher._interrupted import keep_cancelled, left_running, to_the_end, withdraw_cancelled
 from lorasync.runtime._lifecycle import async_entry, blocking
-from lorasync.runtime._loop import gather_all
+from lorasync.runtime._loop import exiting, gather_all
 from lorasync.runtime._looplock import held
 from lorasync.adapter._names import served_name, validate_name, validate_version
 from lorasync.adapter._probe import Probe
@@ -249,7 +249,7 @@ class Publisher(PublisherLife):
             # The new version serves: what is left (re-listing, retirement, file collection) runs
             # after this call returns, and the next publish waits for it before touching anything.
             after = self._care.after(done, version, timings)
-            if self.retention.background and all(h.concurrent for h in self._handles.values()):
+            if self.retention.background and all(h.concurrent for h in self._handles.values()) and not exiting():
                 report._after = self._care.start(after)
             else:
                 await after

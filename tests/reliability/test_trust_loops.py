@@ -284,8 +284,8 @@ def child_exit_seconds(drain):
     pid = os.fork()
     if pid == 0:  # the worker does nothing with lorasync and exits normally
         if not drain:  # the baseline: the same child with the exit's wait off
-            import lorasync.runtime._loop as _loop
-            _loop.EXIT_WAIT_S = 0.0
+            import lorasync.runtime._pool as _pool
+            _pool.EXIT_WAIT_S = 0.0
         sys.exit(0)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0, status
@@ -315,7 +315,7 @@ def test_a_forked_child_exits_without_waiting_for_its_parents_calls(tmp_path):
 
 
 _HOOK_BEFORE_IMPORT = r"""
-import atexit, sys, tempfile, time
+import atexit, os, sys, tempfile, time
 
 state = {}
 
@@ -324,7 +324,8 @@ def publish_final_step():  # the trainer's shutdown hook, registered before lora
     report = pub.publish(adapter(3), version=3)
     print("FINAL", report.ok, report.results[0].status, flush=True)
     pub.close()
-    print("CLOSED", flush=True)
+    files = sorted(d for _, ds, _ in os.walk(sys.argv[1]) for d in ds if d.startswith("v"))
+    print("CLOSED", sorted(state["engine"].list_adapters()), files, flush=True)
 
 atexit.register(publish_final_step)  # atexit runs it after lorasync's own exit hook
 
@@ -332,7 +333,8 @@ from lorasync import Publisher
 from lorasync.testing import MemoryEngine
 from tests.support.adapters import tiny_adapter as adapter
 
-pub = Publisher([MemoryEngine()], name="p", keep=1, root=sys.argv[1])
+state["engine"] = MemoryEngine()
+pub = Publisher([state["engine"]], name="p", keep=1, root=sys.argv[1], grace=0.0)
 state["pub"] = pub
 assert pub.publish(adapter(1), version=1).ok
 assert pub.publish(adapter(2), version=2).ok
@@ -343,13 +345,17 @@ print("END", flush=True)
 def test_an_exit_hook_registered_before_lorasync_publishes_and_closes(tmp_path):
     # Outside attack on 4219de7: once lorasync's exit hook had run, every call started later hung
     # (its future never ran), so a trainer's earlier-registered hook "publish the last step, close"
-    # held the process for ever. Only a background phase's calls are refused at the exit now.
+    # held the process for ever. Only a background phase's calls are refused at the exit now, and
+    # a publish at the exit runs its retirement before it returns.
     proc = subprocess.run(
         [sys.executable, "-c", _HOOK_BEFORE_IMPORT, str(tmp_path)], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
         capture_output=True, text=True, timeout=BOUND_S,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "FINAL True loaded" in proc.stdout and "CLOSED" in proc.stdout, (proc.stdout, proc.stderr[-2000:])
+    assert "FINAL True loaded" in proc.stdout, (proc.stdout, proc.stderr[-2000:])
+    # As at any other time (keep=1): only v3 stays, with its files. A second attack found v1 and
+    # v2 still loaded with their files: the publish's retirement was a background phase, refused.
+    assert "CLOSED ['p@v3'] ['v3']" in proc.stdout, (proc.stdout, proc.stderr[-2000:])
 
 
 # -- item 18: a publisher nobody closed is closed when it is collected -------------------------------
