@@ -124,30 +124,39 @@ def test_leaving_a_sync_with_in_async_code_after_apublish_raises_at_once(tmp_pat
     assert stall < 3.0, f"the error reached the caller {stall:.1f} s after the block was left"
 
 
-_SCRIPT = """
-import sys, threading, time
-from lorasync import Publisher
-from lorasync.testing import MemoryEngine
-from tests.support.adapters import tiny_adapter as adapter
+def _ending_script(unload: str, *, last_line_after: float) -> str:
+    """A script that publishes v1 and v2 and ends while v2's background retirement unloads v1 in
+    ``unload`` (the body of the engine's ``unload_adapter``, before the unload itself)."""
+    return textwrap.dedent(
+        """
+        import sys, time
+        import torch
+        from lorasync import Publisher
+        from lorasync.testing import MemoryEngine
+        from tests.support.adapters import tiny_adapter as adapter
 
-class SlowUnload(MemoryEngine):
-    def unload_adapter(self, name):
-        time.sleep(60)  # the engine takes its time; the script is done
-        super().unload_adapter(name)
+        class Engine(MemoryEngine):
+            def unload_adapter(self, name):
+        %s
+                super().unload_adapter(name)
 
-pub = Publisher([SlowUnload()], name="p", keep=1, root=sys.argv[1], grace=0.0)
-pub.publish(adapter(1), version=1)
-pub.publish(adapter(2), version=2)  # its retirement of v1 runs on, in the background
-time.sleep(0.5)
-print("END", time.monotonic(), flush=True)
-"""
+        pub = Publisher([Engine()], name="p", keep=1, root=sys.argv[1], grace=0.0)
+        pub.publish(adapter(1), version=1)
+        pub.publish(adapter(2), version=2)  # its retirement of v1 runs on, in the background
+        time.sleep(%r)
+        print("END", time.monotonic(), flush=True)
+        """
+    ) % (textwrap.indent(textwrap.dedent(unload), " " * 8), last_line_after)
+
+
+_SCRIPT = _ending_script("time.sleep(60)  # the engine takes its time; the script is done", last_line_after=0.5)
 
 
 def test_a_script_that_never_closes_its_publisher_exits_promptly(tmp_path):
     # 090ffbd: the interpreter joined the executor thread stuck in the background unload (13.6 s),
     # then printed "cannot schedule new futures after shutdown" from the retirement.
     proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(_SCRIPT), str(tmp_path)],
+        [sys.executable, "-c", _SCRIPT, str(tmp_path)],
         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=BOUND_S,
     )
     ended = time.monotonic()
@@ -157,27 +166,15 @@ def test_a_script_that_never_closes_its_publisher_exits_promptly(tmp_path):
     assert "Traceback" not in proc.stderr, proc.stderr
 
 
-_TORCH_AT_EXIT = """
-import sys, time
-import torch
-from lorasync import Publisher
-from lorasync.testing import MemoryEngine
-from tests.support.adapters import tiny_adapter as adapter
-
-class BusyUnload(MemoryEngine):
-    def unload_adapter(self, name):
-        time.sleep(0.3)  # the script's last line runs meanwhile
-        a, began = torch.randn(300, 300), time.monotonic()
-        while time.monotonic() - began < 0.6:  # short C++ calls with the GIL let go, for 0.6 s
-            a = a @ a.T / 300  # however loaded the box: one of them ends while the interpreter does
-        super().unload_adapter(name)
-
-pub = Publisher([BusyUnload()], name="p", keep=1, root=sys.argv[1], grace=0.0)
-pub.publish(adapter(1), version=1)
-pub.publish(adapter(2), version=2)  # its retirement of v1 runs on, in the background
-time.sleep(0.35)
-print("END", time.monotonic(), flush=True)
-"""
+_TORCH_AT_EXIT = _ending_script(
+    """
+    time.sleep(0.3)  # the script's last line runs meanwhile
+    a, began = torch.randn(300, 300), time.monotonic()
+    while time.monotonic() - began < 0.6:  # short C++ calls with the GIL let go, for 0.6 s
+        a = a @ a.T / 300  # however loaded the box: one of them ends while the interpreter does
+    """,
+    last_line_after=0.35,
+)
 
 
 def test_a_script_that_ends_while_an_engine_call_runs_torch_code_exits_cleanly(tmp_path):
@@ -186,7 +183,7 @@ def test_a_script_that_ends_while_an_engine_call_runs_torch_code_exits_cleanly(t
     # interpreter finalized. This script aborted 5 of 5 runs before the exit waited for such calls.
     for attempt in range(3):
         proc = subprocess.run(
-            [sys.executable, "-c", textwrap.dedent(_TORCH_AT_EXIT), str(tmp_path / str(attempt))],
+            [sys.executable, "-c", _TORCH_AT_EXIT, str(tmp_path / str(attempt))],
             cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=BOUND_S,
         )  # fmt: skip
         assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
