@@ -15,6 +15,7 @@ in place or merged is unknown (:func:`left_running`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable
@@ -28,7 +29,7 @@ from lorasync.publisher._retention import Ledger
 from lorasync.runtime._loop import finish
 from lorasync.transports._transport import Transport
 
-__all__ = ["keep_cancelled", "left_running", "to_the_end", "withdraw_cancelled"]
+__all__ = ["keep_cancelled", "left_running", "settle_to_the_end", "to_the_end", "withdraw_cancelled"]
 
 T = TypeVar("T")
 
@@ -43,17 +44,27 @@ async def to_the_end(awaitable: Awaitable[T], *, cancelled_at: float | None = No
     return await finish(awaitable, bound=_cancelled.CANCELLED_CALL_WAIT_S, cancelled_at=cancelled_at)
 
 
+async def settle_to_the_end(
+    handle: EngineHandle, ledger: Ledger, transport: Transport, version: int, work: Awaitable[T], *, cancelled_at: float | None = None
+) -> T:
+    """:func:`to_the_end` for a take-out or record after a delivery: one still running when a
+    cancel's bound passes is the next publish's to wait for (:func:`left_running`), never work
+    that runs on unseen (a swap back, or a ledger record, landing after the next publish's)."""
+    task = asyncio.ensure_future(work)
+    try:
+        return await to_the_end(task, cancelled_at=cancelled_at)
+    except asyncio.CancelledError:
+        if not task.done():
+            left_running(handle, ledger, transport, version, task)
+        raise
+
+
 async def _settled(handle: EngineHandle, ledger: Ledger, transport: Transport, version: int, work: Awaitable[None], cancelled_at: float | None) -> None:
     """Run ``work`` (a take-out or record after a cancel) to its end, within the cancel's bound
     counted from ``cancelled_at`` (now if None); past it, the next publish waits for it and what
     serves in place or merged is unknown (:func:`left_running`), as for a delivery."""
-    task = asyncio.ensure_future(work)
-    try:
-        await to_the_end(task, cancelled_at=time.monotonic() if cancelled_at is None else cancelled_at)
-    except asyncio.CancelledError:
-        if not task.done():
-            left_running(handle, ledger, transport, version, task)
-        # else it finished; the caller re-raises the cancel it is handling
+    with contextlib.suppress(asyncio.CancelledError):  # the caller re-raises the cancel it handles
+        await settle_to_the_end(handle, ledger, transport, version, work, cancelled_at=time.monotonic() if cancelled_at is None else cancelled_at)
 
 
 async def withdraw_cancelled(

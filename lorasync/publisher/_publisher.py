@@ -33,7 +33,7 @@ from lorasync.publisher._aftercare import Aftercare
 from lorasync.publisher._digest import PublishDigest, watch_optimizer_steps
 from lorasync.publisher._files import VersionFiles
 from lorasync.publisher._handle import EngineHandle
-from lorasync.publisher._interrupted import keep_cancelled, left_running, to_the_end, withdraw_cancelled
+from lorasync.publisher._interrupted import keep_cancelled, left_running, settle_to_the_end, to_the_end, withdraw_cancelled
 from lorasync.runtime._lifecycle import async_entry, blocking
 from lorasync.runtime._loop import exiting, gather_all
 from lorasync.runtime._looplock import held
@@ -375,11 +375,11 @@ class Publisher(PublisherLife):
             raise
         result.timings.update(delivery.timings)
         result.bytes_moved, result.served_name = delivery.bytes_moved, delivery.served_name
-        settling = False  # once True, a cancel waits (to_the_end) for the take-out or the record
+        settling = False  # once True, a cancel waits (settle_to_the_end) for the take-out or the record
         try:
             if live and (torn := hashing.changed()) is not None:
                 settling = True
-                await to_the_end(handle.withdraw(ledger, transport, version, caps=caps, previous=previous))  # it read tensors that changed
+                await settle_to_the_end(handle, ledger, transport, version, handle.withdraw(ledger, transport, version, caps=caps, previous=previous))  # it read tensors that changed
                 raise hashing.error(torn, f"while {result.engine} loaded them")
             if probe is not None:
                 t0 = time.perf_counter()
@@ -388,7 +388,7 @@ class Publisher(PublisherLife):
                 result.reason += "; verified through the engine"
             # Counted as served only now (invariant 11): reported ``unchanged`` later, leased, restored from.
             settling = True
-            await to_the_end(handle.delivered(ledger, transport, version, digest, path=path, restore=path if files else payload))
+            await settle_to_the_end(handle, ledger, transport, version, handle.delivered(ledger, transport, version, digest, path=path, restore=path if files else payload))
         except asyncio.CancelledError:
             if probe is not None and not settling:  # cancelled before the probe passed: never leave unverified weights serving
                 await withdraw_cancelled(handle, ledger, transport, version, caps=caps, previous=previous)
