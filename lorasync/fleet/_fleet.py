@@ -32,7 +32,7 @@ from lorasync.fleet._engines import FleetEngines
 from lorasync.fleet._plan import FleetReport, SlotNeed, plan_slots
 from lorasync.fleet._round import Shared, check_round, publish_round, run_round
 from lorasync.runtime._lifecycle import Closing, Lifecycle, async_entry, blocking
-from lorasync.runtime._loop import LoopThread
+from lorasync.runtime._loop import LoopThread, to_thread_untracked
 from lorasync.runtime._looplock import LoopLock, held
 from lorasync.adapter._names import parse_served_name, served_name, validate_name
 from lorasync.adapter._probe import Probe
@@ -327,7 +327,7 @@ class Fleet(FleetEngines, Closing):
             if self._loop.running:
                 with contextlib.suppress(LoraSyncError):
                     await self._loop.arun(aclose_all(self.engines))
-            await asyncio.to_thread(self._loop.stop)
+            await to_thread_untracked(self._loop.stop)
             self._life.closed()
 
     async def _close_out(self) -> None:

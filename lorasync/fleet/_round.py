@@ -24,6 +24,7 @@ from lorasync.adapter._probe import Probe
 from lorasync.publisher._publisher import AdapterLike
 from lorasync.fleet._tenant import files_only, list_all, restore, step
 from lorasync.errors import ConfigError, LoraSyncError, StaleVersionError
+from lorasync.runtime._loop import to_thread_untracked
 
 if TYPE_CHECKING:
     from lorasync.engines._engine import Capabilities, Engine
@@ -138,7 +139,7 @@ async def publish_round(fleet: Shared, report: FleetReport, adapters: Mapping[st
         for name in [n for n in same if n in probes]:
             same.remove(name)
             tenant = fleet.tenants[name]
-            adapter = adapters[name] if isinstance(adapters[name], Adapter) else await asyncio.to_thread(_export, adapters[name])
+            adapter = adapters[name] if isinstance(adapters[name], Adapter) else await to_thread_untracked(_export, adapters[name])
             stepping[name] = (adapter, tenant.version, False, None)  # type: ignore[assignment]
             if early:
                 started.append(asyncio.ensure_future(step(tenant, report, adapter, tenant.version, probes[name], owned=False)))  # type: ignore[arg-type]

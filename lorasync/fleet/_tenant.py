@@ -26,6 +26,7 @@ from lorasync.publisher._retention import RetentionWarning
 from lorasync.engines._engine import Capabilities, Engine
 from lorasync.errors import ConfigError, LoraSyncError, PublisherClosedError
 from lorasync.transports._snapshot import OwnedAdapter, owned_copy
+from lorasync.runtime._loop import to_thread_untracked
 
 __all__ = ["Tenant", "files_only", "from_files", "list_all", "release", "republish", "restore", "restore_copy", "step", "unload_drained", "where"]
 
@@ -182,13 +183,13 @@ async def release(tenant: Tenant, engines: Sequence[Engine]) -> None:
         await asyncio.sleep(pub.retention.grace)
         for handle in readers:  # None (requests unknown): the grace above was the fallback
             still |= set(await handle.in_use() or ()) | handle.leaks.suspects | await _listed(handle)
-    for version in await asyncio.to_thread(pub.store.versions, tenant.name):
+    for version in await to_thread_untracked(pub.store.versions, tenant.name):
         if served_name(tenant.name, version) in still:
             continue
         with contextlib.suppress(LoraSyncError):
-            await asyncio.to_thread(pub.store.remove, tenant.name, version)
+            await to_thread_untracked(pub.store.remove, tenant.name, version)
     with contextlib.suppress(LoraSyncError):  # what could not be removed keeps the run (and its lock)
-        await asyncio.to_thread(pub.store.end_run, tenant.name)
+        await to_thread_untracked(pub.store.end_run, tenant.name)
     pub._release()
     tenant.retired = True
 
@@ -199,7 +200,7 @@ async def _listed(handle: EngineHandle) -> set[str]:
     try:
         listed = await handle.engine.alist_adapters()
     except LoraSyncError:
-        return {served_name(handle.name, v) for v in await asyncio.to_thread(handle.files.store.versions, handle.name)}
+        return {served_name(handle.name, v) for v in await to_thread_untracked(handle.files.store.versions, handle.name)}
     await handle.leaks.check(listed=listed, busy=handle.last_in_use)  # a name it kept is reported (SlotLeakWarning)
     return set(listed)
 
@@ -309,7 +310,7 @@ async def republish(tenant: Tenant, report: FleetReport) -> PublishReport | None
     report, or None when it failed outright (then ``report`` says so for the tenant)."""
     assert tenant.version is not None
     try:
-        source = tenant._copy if tenant._copy is not None else await asyncio.to_thread(from_files, tenant)
+        source = tenant._copy if tenant._copy is not None else await to_thread_untracked(from_files, tenant)
         return await tenant.publisher._apublish(source, version=tenant.version, verify=tenant._probe, restore=True)
     except LoraSyncError as exc:
         report.tenants[tenant.name] = TenantReport(tenant.name, tenant.registration, "failed", tenant.version, tenant.served_name, error=exc)
@@ -323,8 +324,8 @@ async def restore_copy(adapter: Adapter, published: PublishReport) -> OwnedAdapt
     the trainer, and kept only if it hashes to what was published."""
     if all(r.transport == "disk" for r in published.results if r.ok):
         return None
-    copy = await asyncio.to_thread(owned_copy, adapter)
-    return copy if await asyncio.to_thread(content_hash, copy) == published.content_hash else None
+    copy = await to_thread_untracked(owned_copy, adapter)
+    return copy if await to_thread_untracked(content_hash, copy) == published.content_hash else None
 
 
 def from_files(tenant: Tenant) -> Adapter:

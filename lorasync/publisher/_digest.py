@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 from lorasync.errors import AdapterChangedError, AdapterError
 from lorasync.runtime._lifecycle import CALLER_THREAD
 from lorasync.transports._snapshot import owned_copy
+from lorasync.runtime._loop import to_thread_untracked
 
 if TYPE_CHECKING:
     import torch
@@ -87,7 +88,7 @@ class PublishDigest:
                     self.from_write = True
                 else:
                     start = time.perf_counter()
-                    self.value = await asyncio.to_thread(lambda: self.adapter.content_hash)
+                    self.value = await to_thread_untracked(lambda: self.adapter.content_hash)
                     self.seconds += time.perf_counter() - start
                 self.torn = self._watch.changed()
             if check and self.torn is not None:
@@ -103,7 +104,7 @@ class PublishDigest:
         """
         async with self._lock:
             if self._owned is None:
-                copy = await asyncio.to_thread(owned_copy, self.adapter)
+                copy = await to_thread_untracked(owned_copy, self.adapter)
                 why = self._watch.changed()
                 if why is not None:
                     raise self.error(why, "before lorasync's copy of it was complete")

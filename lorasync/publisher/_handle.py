@@ -16,7 +16,6 @@ published again rather than reported as served on memory alone.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 import warnings
@@ -37,6 +36,7 @@ from lorasync.transports._transport import Transport
 from lorasync.transports.inplace import InPlaceTransport
 from lorasync.transports._snapshot import OwnedAdapter, owned_copy
 from lorasync.transports.merged import MergedTransport
+from lorasync.runtime._loop import to_thread_untracked
 
 __all__ = ["EngineHandle"]
 
@@ -333,8 +333,8 @@ class EngineHandle:
         serving weights that failed. Returns what was done."""
         point = previous[2] if previous is not None else None
         if isinstance(point, Adapter) and not isinstance(point, OwnedAdapter):
-            copy = await asyncio.to_thread(owned_copy, point)
-            point = copy if await asyncio.to_thread(lambda: copy.content_hash) == previous[1] else None  # type: ignore[index]
+            copy = await to_thread_untracked(owned_copy, point)
+            point = copy if await to_thread_untracked(lambda: copy.content_hash) == previous[1] else None  # type: ignore[index]
         if previous is not None and point is not None:
             await transport.restore(self.engine, name=self.name, previous=point)  # type: ignore[arg-type]
             ledger.in_place, ledger.in_place_source = (previous[0], previous[1], point), await self.source_of(self.name)

@@ -35,7 +35,7 @@ from lorasync.publisher._files import VersionFiles
 from lorasync.publisher._handle import EngineHandle
 from lorasync.publisher._interrupted import keep_cancelled, left_running, settle_to_the_end, to_the_end, withdraw_cancelled
 from lorasync.runtime._lifecycle import async_entry, blocking
-from lorasync.runtime._loop import exiting, gather_all
+from lorasync.runtime._loop import exiting, gather_all, to_thread_untracked
 from lorasync.runtime._looplock import held
 from lorasync.adapter._names import served_name, validate_name, validate_version
 from lorasync.adapter._probe import Probe
@@ -204,7 +204,7 @@ class Publisher(PublisherLife):
         if not isinstance(adapter, Adapter):
             from lorasync.exporters.fsdp import export
 
-            adapter = await asyncio.to_thread(export, adapter)
+            adapter = await to_thread_untracked(export, adapter)
             timings["export"] = time.perf_counter() - start
         probe = verify or self.verify
         self._probed = self._probed or probe is not None  # in-place versions keep a copy to restore from now
@@ -228,7 +228,7 @@ class Publisher(PublisherLife):
                 raise
             results = [r for r, _ in done]
             if all(r.status == "unchanged" for r in results) or digest.torn is not None:
-                await asyncio.to_thread(self._disk.discard, self.name, version)  # written to learn its hash only, or torn
+                await to_thread_untracked(self._disk.discard, self.name, version)  # written to learn its hash only, or torn
             content_hash = await digest.get(check=False)  # known unless every engine failed before needing it
             timings["hash"] = digest.seconds
             timings["total"] = time.perf_counter() - start

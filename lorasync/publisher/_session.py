@@ -31,7 +31,7 @@ from typing import Any
 
 from lorasync.publisher._aftercare import Aftercare
 from lorasync.runtime._lifecycle import Closing, Lifecycle, async_entry, blocking
-from lorasync.runtime._loop import LoopThread
+from lorasync.runtime._loop import LoopThread, to_thread_untracked
 from lorasync.runtime._looplock import LoopLock, held
 from lorasync.adapter._names import parse_served_name, served_name, validate_version
 from lorasync.engines._engine import Engine
@@ -276,7 +276,7 @@ class PublisherLife(Closing):
             if self._loop.running:
                 with contextlib.suppress(LoraSyncError):
                     await self._loop.arun(aclose_all(self.engines))  # async clients opened on its loop
-            await asyncio.to_thread(self._loop.stop)
+            await to_thread_untracked(self._loop.stop)
             self.store.close()
             self._life.closed()
             self._finalizer.detach()

@@ -13,13 +13,13 @@ optimizer has moved on since.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import TYPE_CHECKING
 
 from lorasync.transports._snapshot import kept_by, owned_copy
 from lorasync.transports._transport import Delivery, Transport
 from lorasync.transports.disk import DiskTransport
+from lorasync.runtime._loop import to_thread_untracked
 
 if TYPE_CHECKING:
     from lorasync.adapter._adapter import Adapter
@@ -62,7 +62,7 @@ class InPlaceTransport(Transport):
         else:
             start = time.perf_counter()
             # An engine that keeps what it is handed must not keep the trainer's tensors (invariant 7).
-            handed = await asyncio.to_thread(owned_copy, adapter) if kept_by(engine) else adapter
+            handed = await to_thread_untracked(owned_copy, adapter) if kept_by(engine) else adapter
             await engine.areplace_adapter_tensors(name, handed)
         timings["load"] = time.perf_counter() - start
         return Delivery(served_name=name, bytes_moved=adapter.nbytes, timings=timings)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from lorasync.transports._snapshot import kept_by, owned_copy
 from lorasync.transports._transport import Delivery, Transport
 from lorasync.wire.shm import SegmentScope, sharing
+from lorasync.runtime._loop import to_thread_untracked
 
 if TYPE_CHECKING:
     from lorasync.adapter._adapter import Adapter
@@ -52,7 +53,7 @@ class IPCTransport(Transport):
             if kept_by(engine):
                 if entry[2] is None:
                     # A Task, so engines of one publish awaiting it concurrently share one copy.
-                    entry[2] = asyncio.ensure_future(asyncio.to_thread(owned_copy, adapter))
+                    entry[2] = asyncio.ensure_future(to_thread_untracked(owned_copy, adapter))
                 handed = await asyncio.shield(entry[2])
             with sharing(entry[0]):
                 await engine.aload_adapter_tensors(served, handed)

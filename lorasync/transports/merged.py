@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lorasync.runtime._loop import finish as _finish
+from lorasync.runtime._loop import to_thread_untracked
 from lorasync.transports._transport import Delivery, Transport
 from lorasync.transports._base_weights import BaseWeights
 from lorasync.transports._fold import SharedFold, fold_buckets
@@ -158,7 +159,7 @@ class MergedTransport(Transport):
         while True:
             # A cancel lands between buckets, never while a fold or an update still runs in
             # its thread (the roll-back would race it).
-            bucket = await _finish(asyncio.to_thread(next, buckets, None))
+            bucket = await _finish(to_thread_untracked(next, buckets, None))
             if bucket is None:
                 return moved
             await _finish(engine.aupdate_weights(bucket))

@@ -355,6 +355,52 @@ def test_an_exit_hook_registered_before_lorasync_publishes_and_closes(tmp_path):
     assert "CLOSED ['p@v3'] ['v3']" in proc.stdout, (proc.stdout, proc.stderr[-2000:])
 
 
+_ASYNC_HOOK_BEFORE_IMPORT = r"""
+import atexit, asyncio, sys, tempfile
+state = {}
+def hook():
+    pub = state["pub"]
+    async def go():
+        r = await pub.apublish(adapter(3), version=3)
+        print("FINAL", r.ok, r.results[0].status, flush=True)
+        await pub.aclose()
+        print("CLOSED", flush=True)
+    try:
+        asyncio.run(go())
+    except BaseException as e:
+        print("RAISED", type(e).__module__, type(e).__name__, e, flush=True)
+    print("LOADED", sorted(state["engine"].list_adapters()), flush=True)
+atexit.register(hook)  # registered before lorasync is imported: runs after its exit hook
+from lorasync import Publisher
+from lorasync.testing import MemoryEngine
+from tests.support.adapters import tiny_adapter as adapter
+state["engine"] = MemoryEngine()
+pub = Publisher([state["engine"]], name="p", keep=1, root=sys.argv[2], grace=0.0, transport=sys.argv[1])
+state["pub"] = pub
+async def main():
+    assert (await pub.apublish(adapter(1), version=1)).ok
+    r = await pub.apublish(adapter(2), version=2)
+    assert r.ok
+    await r.asettled()
+asyncio.run(main())
+print("END", flush=True)
+"""
+
+
+@pytest.mark.parametrize("transport", ["ipc", "auto"])
+def test_an_async_exit_hook_registered_before_lorasync_publishes_and_closes(tmp_path, transport):
+    # Outside attack on 1bdbd97: on the caller's own loop lorasync used asyncio.to_thread, whose
+    # pool Python refuses once the interpreter exits: apublish (ipc) or aclose() (auto) raised an
+    # untyped RuntimeError ("cannot schedule new futures after interpreter shutdown").
+    proc = subprocess.run(
+        [sys.executable, "-c", _ASYNC_HOOK_BEFORE_IMPORT, transport, str(tmp_path)], cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=BOUND_S,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "FINAL True loaded" in proc.stdout and "CLOSED" in proc.stdout and "RAISED" not in proc.stdout, proc.stdout
+    assert "LOADED ['p@v3']" in proc.stdout, proc.stdout
+
+
 # -- item 18: a publisher nobody closed is closed when it is collected -------------------------------
 
 

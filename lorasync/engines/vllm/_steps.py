@@ -27,6 +27,7 @@ from lorasync.errors import (
     LoraSyncError,
     RankTooLargeError,
 )
+from lorasync.runtime._loop import to_thread_untracked
 
 __all__ = ["Op", "Step", "StepDriver"]
 
@@ -88,7 +89,7 @@ class StepDriver:
 
     async def _arun(self, op: Op[T]) -> T:
         if not self.is_async:
-            return await asyncio.to_thread(self._run, op)
+            return await to_thread_untracked(self._run, op)
         if asyncio.get_running_loop() is self._loop:
             return await self._drive_async(op)
         assert self._loop is not None
