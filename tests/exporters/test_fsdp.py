@@ -21,7 +21,7 @@ from torch import nn
 
 from support import run_distributed
 from lorasync import Adapter
-from lorasync.errors import PaddedRankError, UnknownAdapterNameError
+from lorasync.errors import MissingPairError, PaddedRankError, UnknownAdapterNameError
 from lorasync.exporters.fsdp import export
 from lorasync.testing import make_peft_model, make_tiny_model, randomize_lora
 
@@ -262,3 +262,31 @@ def test_an_adapter_name_that_is_no_name_is_a_typed_refusal(bad: object) -> None
     }
     with pytest.raises(ConfigError, match="adapter_name"):
         export(tensors, adapter_name=bad, alpha=8)  # type: ignore[arg-type]
+
+
+def test_the_export_walk_sees_what_torch_named_parameters_sees() -> None:
+    """export walks the module tree once, in its own loop: it must find every LoRA factor under
+    the very name and in the order torch's ``named_parameters()`` gives, with a module reached
+    twice (shared), a tied LoRA factor, a removed (None) submodule and parameter, and a module
+    whose LoRA factors were replaced after the model was built."""
+    from lorasync.exporters.fsdp import _walk
+
+    model = make_peft_model(make_tiny_model(seed=3), r=4)
+    randomize_lora(model, seed=1)
+    layers = model.base_model.model.model.layers
+    layers[1].self_attn.shared_mlp = layers[0].mlp  # one module under two names: listed once, first name
+    layers[0].self_attn.q_proj.lora_A["default"].weight = layers[0].self_attn.k_proj.lora_A["default"].weight  # tied
+    layers[1].mlp.register_module("gone", None)
+    layers[1].mlp.register_parameter("nothing", None)
+    fresh = nn.Linear(layers[1].mlp.up_proj.in_features, 4, bias=False)
+    layers[1].mlp.up_proj.lora_A["default"] = fresh  # replaced after the model was built
+    want = [(name, id(p)) for name, p in model.named_parameters() if "lora_" in name]
+    assert [(name, id(p)) for name, p in _walk(model).lora] == want
+    # Tied, k_proj's factor is listed once, under q_proj's name (as torch lists it): a typed refusal.
+    with pytest.raises(MissingPairError, match="k_proj"):
+        export(model)
+    layers[0].self_attn.q_proj.lora_A["default"].weight = nn.Parameter(layers[0].self_attn.k_proj.lora_A["default"].weight.detach().clone())
+    exported = export(model)
+    key = "base_model.model.model.layers.1.mlp.up_proj.lora_A.weight"
+    assert exported.tensors[key].data_ptr() == fresh.weight.data_ptr()  # the replacement, no copy
+    assert len(exported.tensors) == len([n for n, _ in model.named_parameters() if "lora_" in n])
