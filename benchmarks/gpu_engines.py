@@ -84,6 +84,7 @@ def run_shape(shape: str, ranks: tuple[int, ...], tmp: Path, *, repeats: int, wa
         raw = httpx.Client(base_url=server.url, timeout=600)
         engine.generate(prompt, model=SERVED_BASE, max_tokens=1)
         try:
+            out["round_trips"] = _round_trips(raw)
             for r in ranks:
                 out["ranks"][r] = _one_rank(h, r, base_model, engine, raw, tmp / f"r{r}", prompt, repeats, warmup)
                 save(out)
@@ -194,6 +195,28 @@ def _one_rank(h: Any, r: int, base_model: Any, engine: Any, raw: Any, tmp: Path,
     model.unload() if hasattr(model, "unload") else None
     med = {w: statistics.median(samples[w]["total"]) for w in WAYS}
     return {"adapter_bytes": adapter_bytes, "samples": samples, "median_total_s": med, "transports": {k: sorted(v) for k, v in transports.items()}}
+
+
+def _round_trips(raw: Any, n: int = 15) -> dict[str, float]:
+    """Median ms of the engine's own request paths with nothing to do, back to back and after
+    100 ms idle: the API server alone (``GET /v1/models``), and the API server, the engine core
+    and the worker (``/collective_rpc`` of the worker extension's ping). A load's time above its
+    worker stages is one such trip, so these say how much of the sync call is the path itself."""
+    routes = {
+        "models": lambda: raw.get("/v1/models"),
+        "worker_rpc": lambda: raw.post("/collective_rpc", json={"method": "lorasync_ping", "args": []}),
+    }
+    out: dict[str, float] = {}
+    for name, call in routes.items():
+        for idle in (0.0, 0.1):
+            times = []
+            for _ in range(n):
+                time.sleep(idle)
+                t0 = time.perf_counter()
+                call().raise_for_status()
+                times.append(time.perf_counter() - t0)
+            out[f"{name}{'_after_idle' if idle else ''}"] = statistics.median(times[2:]) * 1e3
+    return out
 
 
 def _worker_times(raw: Any, served: str) -> dict[str, float]:
@@ -340,6 +363,9 @@ def table(results: dict[str, Any]) -> str:
                 if keys:
                     parts = [f"{k} {_ms(statistics.median([st[k] for st in stages if k in st]))}" for k in keys]
                     lines += [f"{way}, the sync call by stage (median ms; worker_*: inside the engine): " + ", ".join(parts), ""]
+        trips = res.get("round_trips")
+        if trips:
+            lines += ["The engine's request paths with nothing to do (median ms): " + ", ".join(f"{k} {v:.1f}" for k, v in trips.items()), ""]
         merged = res.get("merged")
         if merged:
             lines += [
