@@ -24,6 +24,7 @@ import concurrent.futures
 import contextlib
 import contextvars
 import functools
+import logging
 import os
 import threading
 import time
@@ -33,6 +34,8 @@ from typing import Any, TypeVar
 
 from lorasync.errors import PublisherClosedError
 from lorasync.runtime._pool import DaemonPool, exiting, in_background
+
+log = logging.getLogger(__name__)
 
 __all__ = ["BOUND_PASSED", "UNWIND_S", "DaemonPool", "LoopThread", "finish", "exiting", "gather_all", "in_background", "to_thread", "to_thread_pool", "to_thread_untracked", "tracked_calls"]
 
@@ -146,7 +149,9 @@ class LoopThread:
                 thread.start()
                 self._loop, self._thread = loop, thread
             # Scheduled under the guard: stop() queues the loop's end after every accepted call.
-            return asyncio.run_coroutine_threadsafe(coro, self._loop)
+            future: list[concurrent.futures.Future[T]] = []
+            future.append(asyncio.run_coroutine_threadsafe(_answered(coro, future), self._loop))
+            return future[0]
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run ``coro`` on the loop and return its result (re-raising its exception).
@@ -236,6 +241,20 @@ def _serve(loop: asyncio.AbstractEventLoop) -> None:
         finally:
             loop.close()
 
+
+
+async def _answered(coro: Coroutine[Any, Any, T], future: list[concurrent.futures.Future[T]]) -> T:
+    """Run ``coro`` for :meth:`LoopThread.submit`; an error it raises after its caller gave up
+    on it (Ctrl-C in a sync call, a cancelled ``await``: the caller's future was cancelled while
+    the work finished what it must) is logged once here, since no one is left to receive it
+    (asyncio would print "Task exception was never retrieved" with its traceback at exit)."""
+    try:
+        return await coro
+    except Exception as exc:
+        if not (future and future[0].cancelled()):
+            raise
+        log.warning("a lorasync call its caller gave up on failed afterwards: %s: %s", type(exc).__name__, exc)
+        raise asyncio.CancelledError from exc
 
 
 async def finish(awaitable: Awaitable[T], *, bound: float | None = None, cancelled_at: float | None = None) -> T:

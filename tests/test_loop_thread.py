@@ -1,0 +1,57 @@
+"""lorasync's loop thread (runtime._loop.LoopThread), where every sync face of the public API runs
+its async twin: what a caller who gives up on a call (Ctrl-C in ``publish()``, a cancelled
+``await``) is left with."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import time
+
+from lorasync.errors import EngineUnavailableError
+from lorasync.runtime._loop import LoopThread
+
+
+def test_an_error_raised_after_the_caller_gave_up_is_logged_once_and_never_left_unretrieved(caplog) -> None:
+    # The work handles the cancel by finishing what it must (as restore_base() finishes the
+    # engine's resume), and that fails: the caller is gone, so nobody receives the error. asyncio
+    # printed "Task exception was never retrieved" with a traceback at exit (seen on the H100
+    # when the GPU tests were interrupted during restore_base()).
+    caplog.set_level(logging.WARNING)
+    thread = LoopThread("lorasync-test-loop")
+
+    async def work() -> None:
+        try:
+            await asyncio.sleep(5)
+        except asyncio.CancelledError:
+            await asyncio.sleep(0.1)
+            raise EngineUnavailableError("cannot reach vllm at http://127.0.0.1:1/resume") from None
+
+    future = thread.submit(work())
+    time.sleep(0.05)
+    future.cancel()  # what run() does when the caller's wait is interrupted
+    time.sleep(0.4)
+    thread.stop()
+    gc.collect()  # an unretrieved task exception is reported when the task is collected
+    assert "never retrieved" not in caplog.text
+    gave_up = [r for r in caplog.records if r.name == "lorasync.runtime._loop"]
+    assert [r.getMessage() for r in gave_up] == [
+        "a lorasync call its caller gave up on failed afterwards: EngineUnavailableError: cannot reach vllm at http://127.0.0.1:1/resume"
+    ]
+
+
+def test_an_error_of_a_call_still_awaited_reaches_its_caller() -> None:
+    thread = LoopThread("lorasync-test-loop")
+
+    async def work() -> None:
+        raise EngineUnavailableError("down")
+
+    try:
+        thread.run(work())
+    except EngineUnavailableError as exc:
+        assert str(exc) == "down"
+    else:  # pragma: no cover - the assertion's message
+        raise AssertionError("the error did not reach the caller")
+    finally:
+        thread.stop()
