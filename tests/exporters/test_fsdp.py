@@ -290,3 +290,87 @@ def test_the_export_walk_sees_what_torch_named_parameters_sees() -> None:
     key = "base_model.model.model.layers.1.mlp.up_proj.lora_A.weight"
     assert exported.tensors[key].data_ptr() == fresh.weight.data_ptr()  # the replacement, no copy
     assert len(exported.tensors) == len([n for n, _ in model.named_parameters() if "lora_" in n])
+
+
+def _hide_children(model: Any) -> None:
+    attn = model.base_model.model.model.layers[0].self_attn
+
+    class HidesChildren(type(attn)):  # type: ignore[misc]
+        def named_modules(self, memo=None, prefix="", remove_duplicate=True):  # noqa: ANN001, ANN202
+            memo = set() if memo is None else memo
+            if self not in memo:
+                memo.add(self)
+                yield prefix, self  # its children are its own business: not listed
+
+    attn.__class__ = HidesChildren
+
+
+def _equal_by_value(model: Any) -> None:
+    layers = model.base_model.model.model.layers
+    q0 = layers[0].self_attn.q_proj
+
+    class ByValue(type(q0)):  # type: ignore[misc]
+        def __eq__(self, other: object) -> bool:
+            return type(other) is type(self)
+
+        def __hash__(self) -> int:
+            return 1
+
+    for layer in layers[:2]:
+        layer.self_attn.q_proj.__class__ = ByValue  # named_modules() keeps the first of two "equal" modules
+
+
+class _LenZero(dict):
+    def __len__(self) -> int:
+        return 0  # a proxy that reports only materialised entries
+
+
+def _falsy_parameters(model: Any) -> None:
+    lora_a = model.base_model.model.model.layers[0].self_attn.q_proj.lora_A["default"]
+    object.__setattr__(lora_a, "_parameters", _LenZero(lora_a._parameters))
+
+
+def _falsy_modules(model: Any) -> None:
+    q = model.base_model.model.model.layers[0].self_attn.q_proj
+    object.__setattr__(q, "_modules", _LenZero(q._modules))
+
+
+def _mapping_modules(model: Any) -> None:
+    from collections.abc import MutableMapping
+
+    class Table(MutableMapping):  # type: ignore[type-arg]
+        def __init__(self, d: dict) -> None:
+            self.d = dict(d)
+
+        def __getitem__(self, k: str) -> Any:
+            return self.d[k]
+
+        def __setitem__(self, k: str, v: Any) -> None:
+            self.d[k] = v
+
+        def __delitem__(self, k: str) -> None:
+            del self.d[k]
+
+        def __iter__(self):  # noqa: ANN204
+            return iter(self.d)
+
+        def __len__(self) -> int:
+            return len(self.d)
+
+    layer = model.base_model.model.model.layers[0]
+    object.__setattr__(layer, "_modules", Table(layer._modules))
+
+
+@pytest.mark.parametrize("tweak", [_hide_children, _equal_by_value, _falsy_parameters, _falsy_modules, _mapping_modules], ids=lambda f: f.__name__.strip("_"))
+def test_export_lists_what_torch_lists_for_modules_that_change_the_walk(tweak: Any) -> None:
+    """Modules that override or replace torch's own plumbing (found by an outside attack on the
+    faster walk, which read ``_modules`` itself): export takes what ``named_parameters()`` lists,
+    under the same names, the trainer's own tensors, never a crash or a silently dropped factor."""
+    from lorasync.adapter._keys import normalize_trainer_key
+
+    model = make_peft_model(make_tiny_model(seed=3), r=4)
+    randomize_lora(model, seed=1)
+    tweak(model)
+    want = {normalize_trainer_key(n): p.data_ptr() for n, p in model.named_parameters() if "lora_" in n}
+    exported = export(model)
+    assert {k: t.data_ptr() for k, t in exported.tensors.items()} == want

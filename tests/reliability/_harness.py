@@ -197,14 +197,8 @@ async def _fault_case(case: FaultCase, root: Path, server: FaultServer) -> Fault
     report = await (await pub.apublish(tiny_adapter(2), version=2)).asettled()  # its retirement hits the fault too
     requests = server.requests("load" if case.phase == "all" else case.phase)
     server.disarm()
-    result = report.results[0]
-    tried = getattr(result.error, "attempts", None)
-    if case.fault == "hang" and case.times is None and isinstance(tried, int) and 1 <= requests <= tried:
-        # Each hung attempt ends at the client's own timeout, which starts before the connect: on
-        # a loaded host an attempt can end before this process's server thread has read it (CI:
-        # 2 of 3 counted). The attempts are the client's count; the server may only see fewer.
-        requests = tried
     served = server.versions("p")
+    result = report.results[0]
     restart = "restart" in case.fault
     if result.status == "loaded" and 2 not in served and not restart:
         violations.append(f"reported loaded but the engine serves {served}")
@@ -231,6 +225,13 @@ def run_fault_matrix(protocols: tuple[str, ...] = ("vllm", "sglang")) -> dict[st
             outcome = run_fault_case(case, Path(tmp) / f"c{i}")
             want = expected(case)
             got = (outcome.status, outcome.error, outcome.requests, outcome.served_after)
+            if case.fault == "hang" and got[:2] == want[:2] and got[3] == want[3] and got[2] < want[2]:
+                # A hung attempt ends at the client's own timeout, which starts before the connect:
+                # on a loaded host one can end before this process's server thread read it (CI: the
+                # server counted 2 of 3). Run such a case once more; a client that really sends fewer
+                # requests than the policy says shows the same count again.
+                outcome = run_fault_case(case, Path(tmp) / f"c{i}-again")
+                got = (outcome.status, outcome.error, outcome.requests, outcome.served_after)
             if got != want:
                 outcome.violations.append(f"expected {want}, got {got}")
             violations += [f"{case.label}: {v}" for v in outcome.violations]
