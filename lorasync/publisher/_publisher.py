@@ -199,23 +199,25 @@ class Publisher(PublisherLife):
             raise ConfigError(f"verify must be a lorasync.Probe (Probe.from_model(...)) or None, got {type(verify).__name__}")
         if digest is not None and digest.adapter is not adapter:
             raise ConfigError("a publish's digest must be of the adapter it publishes")
-        timings: dict[str, float] = {}
-        start = time.perf_counter()
-        if not isinstance(adapter, Adapter):
-            from lorasync.exporters.fsdp import export
+        # Cancelled before every engine recorded it (waiting for the lock, exporting, loading): an
+        # engine may serve a load no one recorded, or none serves it, so lease(version) refuses it.
+        with self._cancel_noted(version, recorded=lambda: restore or all(ledger.holds(version) for ledger in self._ledgers.values())):
+            timings: dict[str, float] = {}
+            start = time.perf_counter()
+            if not isinstance(adapter, Adapter):
+                from lorasync.exporters.fsdp import export
 
-            adapter = await to_thread_untracked(export, adapter)
-            timings["export"] = time.perf_counter() - start
-        probe = verify or self.verify
-        self._probed = self._probed or probe is not None  # in-place versions keep a copy to restore from now
-        # Cancelled after its write: files no engine recorded go (in-place versions serve from theirs).
-        recorded = lambda: self.in_place or any(version in ledger.versions for ledger in self._ledgers.values())  # noqa: E731
-        async with held(self._lock), self._disk.cancel_guard(self.name, version, recorded=recorded):
-            await self._care.previous_settled()
-            self._disk.new_publish()
-            # From here the publish reads the tensors: a change tears it (a Fleet round's digest watched earlier).
-            digest = digest if digest is not None else PublishDigest(adapter)
-            try:
+                adapter = await to_thread_untracked(export, adapter)
+                timings["export"] = time.perf_counter() - start
+            probe = verify or self.verify
+            self._probed = self._probed or probe is not None  # in-place versions keep a copy to restore from now
+            # Cancelled after its write: files no engine recorded go (in-place versions serve from theirs).
+            recorded = lambda: self.in_place or any(version in ledger.versions for ledger in self._ledgers.values())  # noqa: E731
+            async with held(self._lock), self._disk.cancel_guard(self.name, version, recorded=recorded):
+                await self._care.previous_settled()
+                self._disk.new_publish()
+                # From here the publish reads the tensors: a change tears it (a Fleet round's digest watched earlier).
+                digest = digest if digest is not None else PublishDigest(adapter)
                 done = await gather_all(*(self._guarded(e, adapter, version, digest, probe, restore=restore) for e in self.engines))
                 if len({r.served_name for r, _ in done if r.ok and r.served_name}) > 1:
                     # Engines serving this content under an older name load it as this version too, so
@@ -223,36 +225,33 @@ class Publisher(PublisherLife):
                     again = [i for i, (r, _) in enumerate(done) if r.status == "unchanged"]
                     for i, redone in zip(again, await gather_all(*(self._guarded(self.engines[i], adapter, version, digest, probe, reuse=False, restore=restore) for i in again))):
                         done[i] = redone
-            except asyncio.CancelledError:  # lease refuses it while an engine may serve a load of it no one recorded
-                self._note_unverified(version, cancelled=True) if not restore and not all(ledger.holds(version) for ledger in self._ledgers.values()) else None
-                raise
-            results = [r for r, _ in done]
-            if all(r.status == "unchanged" for r in results) or digest.torn is not None:
-                await to_thread_untracked(self._disk.discard, self.name, version)  # written to learn its hash only, or torn
-            content_hash = await digest.get(check=False)  # known unless every engine failed before needing it
-            timings["hash"] = digest.seconds
-            timings["total"] = time.perf_counter() - start
-            names = {self.name} if self.in_place else {r.served_name for r in results if r.ok and r.served_name}
-            report = PublishReport(
-                name=self.name,
-                version=version,
-                served_name=names.pop() if len(names) == 1 else served_name(self.name, version),
-                content_hash=content_hash,
-                nbytes=adapter.nbytes,
-                results=results,
-                timings=timings,
-            )
-            if report.ok:
-                self._note_served(version, report.served_name, content_hash)  # lease(version) names what serves it
-            elif any(isinstance(r.error, VerificationError) for r in results):
-                self._note_unverified(version)  # not served where it failed: lease(version) refuses it
-            # The new version serves: what is left (re-listing, retirement, file collection) runs
-            # after this call returns, and the next publish waits for it before touching anything.
-            after = self._care.after(done, version, timings)
-            if self.retention.background and all(h.concurrent for h in self._handles.values()) and not exiting():
-                report._after = self._care.start(after)
-            else:
-                await after
+                results = [r for r, _ in done]
+                if all(r.status == "unchanged" for r in results) or digest.torn is not None:
+                    await to_thread_untracked(self._disk.discard, self.name, version)  # written to learn its hash only, or torn
+                content_hash = await digest.get(check=False)  # known unless every engine failed before needing it
+                timings["hash"] = digest.seconds
+                timings["total"] = time.perf_counter() - start
+                names = {self.name} if self.in_place else {r.served_name for r in results if r.ok and r.served_name}
+                report = PublishReport(
+                    name=self.name,
+                    version=version,
+                    served_name=names.pop() if len(names) == 1 else served_name(self.name, version),
+                    content_hash=content_hash,
+                    nbytes=adapter.nbytes,
+                    results=results,
+                    timings=timings,
+                )
+                if report.ok:
+                    self._note_served(version, report.served_name, content_hash)  # lease(version) names what serves it
+                elif any(isinstance(r.error, VerificationError) for r in results):
+                    self._note_unverified(version)  # not served where it failed: lease(version) refuses it
+                # The new version serves: what is left (re-listing, retirement, file collection) runs
+                # after this call returns, and the next publish waits for it before touching anything.
+                after = self._care.after(done, version, timings)
+                if self.retention.background and all(h.concurrent for h in self._handles.values()) and not exiting():
+                    report._after = self._care.start(after)
+                else:
+                    await after
         return report
 
     @blocking("await pub.arestore_base()")

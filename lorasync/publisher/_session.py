@@ -167,6 +167,17 @@ class PublisherLife(Closing):
             while len(self._unverified) > _SERVED_AS_KEPT:
                 del self._unverified[next(iter(self._unverified))]
 
+    @contextlib.contextmanager
+    def _cancel_noted(self, version: int, *, recorded: Callable[[], bool]) -> Iterator[None]:
+        """A publish of ``version`` cancelled anywhere before ``recorded()`` (every engine
+        recorded it) leaves it refused by :meth:`lease` until a publish of it is ok."""
+        try:
+            yield
+        except asyncio.CancelledError:
+            if not recorded():
+                self._note_unverified(version, cancelled=True)
+            raise
+
     def _hold(self, version: int) -> int:
         """Pin what serves ``version`` for a lease and return the version pinned (an earlier one
         where ``version``'s publish was "unchanged"). Every lease goes through here, a Fleet

@@ -25,6 +25,10 @@ And from a sixth, on that bound:
 * ``merged_late_merge_reported_unchanged``, ``inplace_late_swap_reported_unchanged``: a merge or
   swap landing after the bound was never noticed, and a publish of the previous content was
   reported "unchanged" (what serves is unknown from there: ``_interrupted.left_running``).
+And from the 11:55 session's fourth attack:
+* ``lease_after_early_cancel``: a publish cancelled before any engine was touched (exporting,
+  waiting for the lock) left ``lease()`` naming ``policy@v2``, served by no engine, or in place
+  ``policy``, serving v1 (the whole publish now notes a cancel: ``Session._cancel_noted``).
 """
 
 from __future__ import annotations
