@@ -55,3 +55,38 @@ def test_an_error_of_a_call_still_awaited_reaches_its_caller() -> None:
         raise AssertionError("the error did not reach the caller")
     finally:
         thread.stop()
+
+
+def test_ctrl_c_in_a_sync_call_returns_once_the_work_handled_its_cancel() -> None:
+    # Ctrl-C in publish() returned at once while the publish still handled its cancel (it waits
+    # for an in-place swap it cannot stop and records what landed), so a lease() on the caller's
+    # next line named what did not serve the version (outside attack, 15:14 session).
+    import os
+    import signal
+    import threading
+
+    thread = LoopThread("lorasync-test-loop")
+    started, handled = threading.Event(), threading.Event()
+
+    async def work() -> None:
+        started.set()
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            await asyncio.sleep(0.3)  # the work the cancel must wait for
+            handled.set()
+            raise
+
+    def ctrl_c() -> None:
+        started.wait(10)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=ctrl_c, daemon=True).start()
+    try:
+        thread.run(work())
+    except KeyboardInterrupt:
+        assert handled.is_set(), "Ctrl-C returned before the work had handled its cancel"
+    else:  # pragma: no cover - the assertion's message
+        raise AssertionError("no KeyboardInterrupt reached the caller")
+    finally:
+        thread.stop()

@@ -64,6 +64,7 @@ class PublisherLife(Closing):
         """Make the parts this class uses (called by the publisher's constructor)."""
         self._pins = {}
         self._served_as: dict[int, int] = {}  # version -> the earlier version whose name serves its content
+        self._reported_ok: dict[int, None] = {}  # versions whose last publish's report was ok (bounded, oldest first)
         self._unverified: dict[int, str | None] = {}  # versions whose last publish failed verification or was cancelled (lease refuses them)
         self._on_served: Callable[[int, str, str], None] | None = None  # a Fleet's tenant: see _note_served
         self._pins_guard = threading.Lock()  # held for a dict update only, never across an await
@@ -154,6 +155,9 @@ class PublisherLife(Closing):
             else:
                 self._served_as.pop(version, None)
             self._unverified.pop(version, None)
+            self._reported_ok[version] = None
+            while len(self._reported_ok) > _SERVED_AS_KEPT:
+                del self._reported_ok[next(iter(self._reported_ok))]
         if self._on_served is not None:  # before the previous version retires (a Fleet's Tenant.version)
             self._on_served(version, served, content_hash)
 
@@ -163,6 +167,7 @@ class PublisherLife(Closing):
         a publish of it is ok (design invariant 11)."""
         with self._pins_guard:
             self._served_as.pop(version, None)
+            self._reported_ok.pop(version, None)
             self._unverified[version] = "cancelled" if cancelled else None
             while len(self._unverified) > _SERVED_AS_KEPT:
                 del self._unverified[next(iter(self._unverified))]
@@ -170,11 +175,15 @@ class PublisherLife(Closing):
     @contextlib.contextmanager
     def _cancel_noted(self, version: int, *, recorded: Callable[[], bool]) -> Iterator[None]:
         """A publish of ``version`` cancelled anywhere before ``recorded()`` (every engine
-        recorded it) leaves it refused by :meth:`lease` until a publish of it is ok."""
+        recorded it) leaves it refused by :meth:`lease` until a publish of it is ok; one whose
+        report was ok already (this call's, cancelled in its aftercare, or an earlier one's, as
+        for an "unchanged" version served under an earlier name) stays leased as that report says."""
         try:
             yield
         except asyncio.CancelledError:
-            if not recorded():
+            with self._pins_guard:
+                reported = version in self._reported_ok
+            if not reported and not recorded():
                 self._note_unverified(version, cancelled=True)
             raise
 

@@ -150,7 +150,9 @@ class LoopThread:
                 self._loop, self._thread = loop, thread
             # Scheduled under the guard: stop() queues the loop's end after every accepted call.
             future: list[concurrent.futures.Future[T]] = []
-            future.append(asyncio.run_coroutine_threadsafe(_answered(coro, future), self._loop))
+            ended = threading.Event()
+            future.append(asyncio.run_coroutine_threadsafe(_answered(coro, future, ended), self._loop))
+            future[0].lorasync_ended = ended  # type: ignore[attr-defined]
             return future[0]
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
@@ -167,8 +169,12 @@ class LoopThread:
                 raise
             raise PublisherClosedError("the publisher was closed while this call waited; make a new Publisher to publish again") from None
         except BaseException:
-            # KeyboardInterrupt in the caller: cancel the coroutine so it releases what it holds.
+            # KeyboardInterrupt in the caller: cancel the coroutine so it releases what it holds,
+            # and let it handle that cancel (bounded; a second Ctrl-C ends the wait) before the
+            # caller's next line runs: a publish then has recorded what it left (lease() refuses a
+            # version it cancelled before every engine recorded it), instead of racing it.
             future.cancel()
+            future.lorasync_ended.wait(INTERRUPTED_WAIT_S)  # type: ignore[attr-defined]
             raise
 
     async def arun(self, coro: Coroutine[Any, Any, T]) -> T:
@@ -243,7 +249,12 @@ def _serve(loop: asyncio.AbstractEventLoop) -> None:
 
 
 
-async def _answered(coro: Coroutine[Any, Any, T], future: list[concurrent.futures.Future[T]]) -> T:
+#: How long a sync call interrupted by Ctrl-C waits for its work to handle the cancel: a publish's
+#: cancel handling is bounded by ``publisher._cancelled.CANCELLED_CALL_WAIT_S`` (5 s), counted from the cancel.
+INTERRUPTED_WAIT_S = 6.0
+
+
+async def _answered(coro: Coroutine[Any, Any, T], future: list[concurrent.futures.Future[T]], ended: threading.Event) -> T:
     """Run ``coro`` for :meth:`LoopThread.submit`; an error it raises after its caller gave up
     on it (Ctrl-C in a sync call, a cancelled ``await``: the caller's future was cancelled while
     the work finished what it must) is logged once here, since no one is left to receive it
@@ -255,6 +266,8 @@ async def _answered(coro: Coroutine[Any, Any, T], future: list[concurrent.future
             raise
         log.warning("a lorasync call its caller gave up on failed afterwards: %s: %s", type(exc).__name__, exc)
         raise asyncio.CancelledError from exc
+    finally:
+        ended.set()
 
 
 async def finish(awaitable: Awaitable[T], *, bound: float | None = None, cancelled_at: float | None = None) -> T:

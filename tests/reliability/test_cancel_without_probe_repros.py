@@ -29,6 +29,10 @@ And from the 11:55 session's fourth attack:
 * ``lease_after_early_cancel``: a publish cancelled before any engine was touched (exporting,
   waiting for the lock) left ``lease()`` naming ``policy@v2``, served by no engine, or in place
   ``policy``, serving v1 (the whole publish now notes a cancel: ``Session._cancel_noted``).
+And from the attack on that fix (15:14 session):
+* ``unchanged_aftercare_cancel``, ``unchanged_republish_cancel``: an "unchanged" version, served
+  under an earlier name, whose ok report stood was refused by ``lease()`` after a later cancel
+  (a version with an ok report stays leased as the report says).
 """
 
 from __future__ import annotations
