@@ -69,6 +69,8 @@ def test_http_ipc_adapters_rebuilt_after_eviction_serve_peft_tokens(vllm_server:
             answer = httpx.post(f"{vllm_server.url}/collective_rpc", json={"method": "lorasync_load_timings", "args": []}, timeout=60)
             timed = [t for t in answer.json()["results"][0] if t["name"] in names]
             assert {t["name"] for t in timed} == set(names) and all(t["stage_s"] >= 0 and t["build_s"] > 0 for t in timed), timed
+            # and the worker's whole add around each build (registration, the slot write) is timed too
+            assert all(t["add_s"] is not None and t["add_s"] >= t["stage_s"] + t["build_s"] for t in timed), timed
         finally:
             for name in names:
                 if name in engine.list_adapters():

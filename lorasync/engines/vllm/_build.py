@@ -8,24 +8,30 @@ For tensors lorasync staged, which lie side by side in one buffer, the worker in
 
 * copies (and casts) each run of adjacent same-dtype tensors with one kernel
   (:func:`owned_copy`): exactly the values of a per-tensor ``.to(dtype, copy=True)``, because a
-  cast is elementwise;
+  cast is elementwise; tensors a CUDA IPC stage cut from one buffer, already in the LoRA dtype,
+  are copied as that one buffer and cut again (no Python per tensor);
 * folds the scale into every ``lora_B`` with one ``_foreach_mul_`` per distinct scale
   (:func:`fold_scaling`) and marks the modules scaled, so vLLM's ``optimize`` has nothing left to
   do: the same elementwise ``b * s`` in the tensor's own dtype (both compute in the op-math type
   with the scale cast once), which ``tests/engines/test_vllm_build.py`` checks bit for bit.
 
 Written here rather than taken from vLLM because vLLM has no batched form of either step; the
-rest of the build (module names, packing, validation) stays vLLM's own.
+rest of the build (module names, packing, validation) stays vLLM's own. Of that rest, the name
+parse (``parse_fine_tuned_lora_name``, 1.5 calls per factor, with the model's weights mapper) is
+a pure function of the key and the mapper, and every step publishes the same keys: for the
+duration of lorasync's build it is answered from a memo (:func:`parsed_names`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+import dataclasses
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 
-__all__ = ["fold_scaling", "owned_copy"]
+__all__ = ["fold_scaling", "owned_copy", "parsed_names"]
 
 
 def owned_copy(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
@@ -42,6 +48,14 @@ def owned_copy(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype | None) -
     Returns:
         name → copy, in the order of ``tensors``.
     """
+    if dtype is None or all(t.dtype == dtype for t in tensors.values()):
+        # Tensors a CUDA IPC stage cut from one buffer (wire.views.BufferViews, unchanged since):
+        # one copy of that buffer cut the same way, with no per-tensor Python at all.
+        copy_to = getattr(tensors, "copy_to", None)
+        pinned = bool(tensors) and next(iter(tensors.values())).device.type == "cpu" and next(iter(tensors.values())).is_pinned()
+        whole = copy_to(pin_memory=pinned) if callable(copy_to) else None
+        if whole is not None and whole.keys() == tensors.keys():
+            return {name: whole[name] for name in tensors}
     out: dict[str, torch.Tensor] = {}
     runs: list[list[tuple[str, torch.Tensor]]] = []
     ordered = sorted(
@@ -133,3 +147,42 @@ def _batched_is_exact(device: torch.device, dtype: torch.dtype, scale: float) ->
         torch._foreach_mul_(got, _scalar(scale))
         _EXACT[key] = bool(torch.equal(want, got[0]))
     return _EXACT[key]
+
+
+_MEMO_NAMES = 1 << 16  # names kept per mapper: a few adapters' worth of keys
+
+
+@contextlib.contextmanager
+def parsed_names(lora_model_cls: Any, mapper: Any, memos: dict[str, dict[tuple[str, bool], Any]]) -> Iterator[None]:
+    """For the duration, vLLM's ``LoRAModel.from_lora_tensors`` (of ``lora_model_cls``) parses each
+    tensor name once per ``mapper``: its ``parse_fine_tuned_lora_name`` is answered from
+    ``memos`` (the caller keeps them, per LoRA manager), computed by vLLM's own function on a miss.
+
+    Only a mapper that is None or a dataclass (vLLM's ``WeightsMapper``), whose ``repr`` is its
+    whole content, is memoised; any other is parsed as before. Runs in the engine core's thread,
+    where vLLM builds adapters one at a time (its worker manager says so): the memo answers what
+    the function would, for the mapper of this build.
+    """
+    func = getattr(getattr(lora_model_cls, "from_lora_tensors", None), "__func__", None)
+    scope = getattr(func, "__globals__", None)
+    original = scope.get("parse_fine_tuned_lora_name") if isinstance(scope, dict) else None
+    if original is None or getattr(original, "lorasync_memo", False) or not (mapper is None or dataclasses.is_dataclass(mapper)):
+        yield
+        return
+    memo = memos.setdefault(repr(mapper), {})
+    if len(memo) > _MEMO_NAMES:
+        memo.clear()
+
+    def parse(name: str, weights_mapper: Any = None) -> Any:
+        key = (name, weights_mapper is not None)
+        hit = memo.get(key)
+        if hit is None:
+            hit = memo[key] = original(name, weights_mapper)
+        return hit
+
+    parse.lorasync_memo = True  # type: ignore[attr-defined]
+    scope["parse_fine_tuned_lora_name"] = parse
+    try:
+        yield
+    finally:
+        scope["parse_fine_tuned_lora_name"] = original

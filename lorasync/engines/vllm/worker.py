@@ -39,7 +39,6 @@ releases (0.26 on the H200, 0.32 on CPU) are in ``_lora_compat``.
 
 from __future__ import annotations
 
-import collections
 import json
 import threading
 import time
@@ -48,9 +47,10 @@ from typing import Any
 
 import torch
 
-from lorasync.engines.vllm._build import fold_scaling, owned_copy
+from lorasync.engines.vllm._build import fold_scaling, owned_copy, parsed_names
 from lorasync.engines.vllm._protocol import CONFIG_KEY, CUDA_UPDATES, IPC_PREFIX, NO_STAGE, PING, CudaStage, ShmStage, check_token, read_stage_file
 from lorasync.engines.vllm._slots import install_slot_write, slot_writes
+from lorasync.engines.vllm._timings import load_timings, record_build, time_adds
 from lorasync.errors import ConfigError, CudaIpcUnavailableError
 from lorasync.wire.cuda_ipc import import_tensors
 from lorasync.wire.shm import read_segment
@@ -63,8 +63,6 @@ _STAGED: dict[str, tuple[dict[str, torch.Tensor], dict[str, Any]]] = {}
 # request of this worker names them.
 _RELEASED: dict[str, tuple[dict[str, torch.Tensor], dict[str, Any]]] = {}
 _LOCK = threading.Lock()
-# Where the last loads of staged adapters spent their time (the GPU benchmark reads it).
-_LOAD_TIMES: collections.deque[dict[str, Any]] = collections.deque(maxlen=64)
 
 
 class LoraSyncWorkerExtension:
@@ -123,9 +121,9 @@ class LoraSyncWorkerExtension:
         return _stage(self, token, copies, {CONFIG_KEY: config_json})
 
     def lorasync_load_timings(self) -> list[dict[str, Any]]:
-        """This worker's last loads of staged adapters, oldest first: ``{"name", "stage_s", "build_s"}``
-        (the stage file read, the tensors mapped or copied; then vLLM's ``LoRAModel`` built, checked)."""
-        return list(_LOAD_TIMES)
+        """This worker's last loads of staged adapters, oldest first: ``{"name", "stage_s", "build_s",
+        "add_s"}`` (:mod:`~lorasync.engines.vllm._timings`)."""
+        return load_timings()
 
     def lorasync_slot_writes(self) -> int:
         """How many adapter activations this worker did with lorasync's slot write."""
@@ -239,11 +237,12 @@ def _install_loader(worker: Any) -> None:
         _stage_from_file(worker, token)
         staged = time.perf_counter()
         lora = _load_staged(self, lora_request, token)
-        _LOAD_TIMES.append({"name": lora_request.lora_name, "stage_s": staged - start, "build_s": time.perf_counter() - staged})
+        record_build(lora_request.lora_name, staged - start, time.perf_counter() - staged)
         return lora
 
     manager._load_adapter = types.MethodType(_load_adapter, manager)
     install_slot_write(getattr(manager, "_adapter_manager", None))
+    time_adds(manager, IPC_PREFIX)
     manager._lorasync_installed = True
 
 
@@ -319,21 +318,22 @@ def _load_staged(manager: Any, lora_request: Any, token: str) -> Any:
         )
     dtype = manager.lora_config.lora_dtype
     tensors = _local_experts(tensors, getattr(adapter_manager, "moe_ep_load_spec", None))
-    lora = manager._lora_model_cls.from_lora_tensors(
-        lora_model_id=lora_request.lora_int_id,
-        # A copy per build: the scale is folded into lora_B in place, and vLLM rebuilds an evicted
-        # adapter from this same staged snapshot, which must stay as staged. The copy stays where
-        # the staged tensors are (host memory, or the worker's GPU), one kernel per run (_build).
-        tensors=owned_copy(tensors, dtype if isinstance(dtype, torch.dtype) else None),
-        peft_helper=peft_helper,
-        # Where the staged copy is: page-locked host memory (vLLM's LoRA cache), or the worker's
-        # GPU for a colocated engine (on_gpu), where vLLM's slots copy it from device memory.
-        device=str(next(iter(tensors.values())).device) if tensors else "cpu",
-        dtype=manager.lora_config.lora_dtype,
-        model_vocab_size=manager.vocab_size,
-        weights_mapper=mapper,
-        skip_prefixes=skip_prefixes,
-    )
+    with parsed_names(manager._lora_model_cls, mapper, adapter_manager.__dict__.setdefault("_lorasync_parsed", {})):
+        lora = manager._lora_model_cls.from_lora_tensors(
+            lora_model_id=lora_request.lora_int_id,
+            # A copy per build: the scale is folded into lora_B in place, and vLLM rebuilds an evicted
+            # adapter from this same staged snapshot, which must stay as staged. The copy stays where
+            # the staged tensors are (host memory, or the worker's GPU), one kernel per run (_build).
+            tensors=owned_copy(tensors, dtype if isinstance(dtype, torch.dtype) else None),
+            peft_helper=peft_helper,
+            # Where the staged copy is: page-locked host memory (vLLM's LoRA cache), or the worker's
+            # GPU for a colocated engine (on_gpu), where vLLM's slots copy it from device memory.
+            device=str(next(iter(tensors.values())).device) if tensors else "cpu",
+            dtype=manager.lora_config.lora_dtype,
+            model_vocab_size=manager.vocab_size,
+            weights_mapper=mapper,
+            skip_prefixes=skip_prefixes,
+        )
     # As vLLM's loader does: the request says whether the factors are PEFT's fused 3-D layout.
     lora.is_3d_lora_weight = bool(getattr(lora_request, "is_3d_lora_weight", False))
     lora._lorasync_staged = True  # activations of it may take the slot write
