@@ -575,7 +575,10 @@ def main() -> None:
     global PROFILE_DIR
     PROFILE_DIR = out if args.profile else None
     results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
-    sections = {f.__name__: f for f in (ceilings, export, handoff, fold, publish_merged, device_hash)}
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks.gpu_model_export import model_export
+
+    sections = {f.__name__: f for f in (ceilings, export, handoff, fold, publish_merged, device_hash, model_export)}
     chosen = list(sections) if args.sections is None else args.sections.split(",")
     for name in chosen:
         t0 = time.perf_counter()
@@ -616,7 +619,7 @@ def engines_main(args: argparse.Namespace) -> None:
         for shape in args.shapes.split(","):
             t0 = time.perf_counter()
             merged_reps = 3 if shape in args.merged_shapes.split(",") else 0
-            save(gpu_engines.run_shape(shape, ranks, Path(tmp), repeats=args.repeats, warmup=args.warmup, merged_reps=merged_reps, log_dir=out, save=save))
+            save(gpu_engines.run_shape(shape, ranks, Path(tmp), repeats=args.repeats, warmup=args.warmup, merged_reps=merged_reps, log_dir=out, save=save, profile=args.profile))
             print(f"[engines {shape} done in {time.perf_counter() - t0:.0f} s]", flush=True)
             (out / "gpu_engines.md").write_text(gpu_engines.table(results))
     gpu_engines.plot(results, out / "gpu_engines.png")

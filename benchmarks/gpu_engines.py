@@ -55,8 +55,11 @@ def _tests_helpers() -> Any:
     return _vllm_setup
 
 
-def run_shape(shape: str, ranks: tuple[int, ...], tmp: Path, *, repeats: int, warmup: int, merged_reps: int, log_dir: Path, save: Any) -> dict[str, Any]:
-    """Every way for one shape and each rank; ``save(partial)`` is called after each part."""
+def run_shape(shape: str, ranks: tuple[int, ...], tmp: Path, *, repeats: int, warmup: int, merged_reps: int, log_dir: Path, save: Any, profile: bool = False) -> dict[str, Any]:
+    """Every way for one shape and each rank; ``save(partial)`` is called after each part.
+    ``profile``: warm-up rounds run under cProfile, written to ``log_dir``: the trainer's publishes
+    of every warm-up round after the first (``client-publish-r*.txt``) and the worker's adds of the
+    first rank's warm-up rounds (``worker-adds.<pid>.txt``); the measured rounds are not profiled."""
     import httpx
 
     from lorasync.engines import connect
@@ -78,6 +81,8 @@ def run_shape(shape: str, ranks: tuple[int, ...], tmp: Path, *, repeats: int, wa
         base_dir, python=sys.executable, served_model_name=SERVED_BASE, max_lora_rank=max(ranks), max_loras=4,
         max_cpu_loras=16, log_path=log_dir / f"vllm-bench-{shape}.log", startup_timeout=900,
         extra_args=("--dtype", h.DTYPE_NAME, "--max-model-len", "2048", "--worker-extension-cls", WORKER_EXTENSION, *gpu),
+        # the first rank's warm-up adds: two lorasync ways load tensors per round
+        env={"LORASYNC_PROFILE_ADDS": f"{2 * warmup}:{log_dir / 'worker-adds'}"} if profile and warmup else None,
     ) as server:  # fmt: skip
         out["startup_s"] = time.perf_counter() - t0
         engine = connect("vllm", server.url, timeout=600)
@@ -86,7 +91,7 @@ def run_shape(shape: str, ranks: tuple[int, ...], tmp: Path, *, repeats: int, wa
         try:
             out["round_trips"] = _round_trips(raw)
             for r in ranks:
-                out["ranks"][r] = _one_rank(h, r, base_model, engine, raw, tmp / f"r{r}", prompt, repeats, warmup)
+                out["ranks"][r] = _one_rank(h, r, base_model, engine, raw, tmp / f"r{r}", prompt, repeats, warmup, log_dir if profile else None)
                 save(out)
             if merged_reps:
                 out["merged"] = _merged(h, base_model, base_dir, engine, tmp / "merged", prompt, merged_reps)
@@ -99,7 +104,11 @@ def run_shape(shape: str, ranks: tuple[int, ...], tmp: Path, *, repeats: int, wa
     return out
 
 
-def _one_rank(h: Any, r: int, base_model: Any, engine: Any, raw: Any, tmp: Path, prompt: list[int], repeats: int, warmup: int) -> dict[str, Any]:
+def _one_rank(h: Any, r: int, base_model: Any, engine: Any, raw: Any, tmp: Path, prompt: list[int], repeats: int, warmup: int, profile_dir: Path | None = None) -> dict[str, Any]:
+    import cProfile
+    import io
+    import pstats
+
     from lorasync import Adapter, Publisher
     from lorasync.exporters.fsdp import export
 
@@ -126,6 +135,7 @@ def _one_rank(h: Any, r: int, base_model: Any, engine: Any, raw: Any, tmp: Path,
     transports: dict[str, set[str]] = {w: set() for w in pubs}
     peer_loaded: list[str] = []
     state = {"bare": False, "floor": None}
+    client_profile = cProfile.Profile() if profile_dir is not None else None
 
     def ok(response: Any) -> None:
         if response.status_code != 200:
@@ -135,10 +145,19 @@ def _one_rank(h: Any, r: int, base_model: Any, engine: Any, raw: Any, tmp: Path,
         if way in pubs:
             # The default way is what the README shows a trainer: publish(export(model)); export
             # keeps GPU tensors on the GPU (the live parameters, no copy), like ``live`` below.
+            t0 = time.perf_counter()
             adapter = export(model) if way == "lorasync" else live
-            report = pubs[way].publish(adapter, version=i + 1).raise_for_errors()
+            exported = {"export": time.perf_counter() - t0} if way == "lorasync" else {}
+            profiled = client_profile is not None and 0 < i < warmup and way != "lorasync-disk"
+            if profiled:  # the publish runs on the publisher's loop thread: profile that thread
+                pubs[way]._loop.run(_call(client_profile.enable))
+            try:
+                report = pubs[way].publish(adapter, version=i + 1).raise_for_errors()
+            finally:
+                if profiled:
+                    pubs[way]._loop.run(_call(client_profile.disable))
             transports[way].add(report.results[0].transport or "?")
-            return report.served_name, {**{k: v for k, v in report.timings.items() if k != "total"}, **report.results[0].timings}
+            return report.served_name, {**exported, **{k: v for k, v in report.timings.items() if k != "total"}, **report.results[0].timings}
         if way == "peer":
             path = tmp / "peer" / f"step{i}"
             model.save_pretrained(str(path))
@@ -183,6 +202,11 @@ def _one_rank(h: Any, r: int, base_model: Any, engine: Any, raw: Any, tmp: Path,
                     s["served_new"].append(int(completion.token_ids[0]) == expected)
                     s["stages"].append(stages)
             engine.unload_adapter(f"floor-r{r}-{i}")
+            if client_profile is not None and i == warmup - 1 and warmup > 1:
+                text = io.StringIO()
+                for order in ("cumulative", "tottime"):
+                    pstats.Stats(client_profile, stream=text).sort_stats(order).print_stats(45)
+                (profile_dir / f"client-publish-r{r}.txt").write_text(text.getvalue())
             for sub, keep in (("peer", 3), ("bare", 1), ("floor", 1)):
                 shutil.rmtree(tmp / sub / (f"step{i - keep}" if sub == "peer" else f"v{i - keep}"), ignore_errors=True)
     finally:
@@ -195,6 +219,10 @@ def _one_rank(h: Any, r: int, base_model: Any, engine: Any, raw: Any, tmp: Path,
     model.unload() if hasattr(model, "unload") else None
     med = {w: statistics.median(samples[w]["total"]) for w in WAYS}
     return {"adapter_bytes": adapter_bytes, "samples": samples, "median_total_s": med, "transports": {k: sorted(v) for k, v in transports.items()}}
+
+
+async def _call(fn: Any) -> None:
+    fn()
 
 
 def _round_trips(raw: Any, n: int = 15) -> dict[str, float]:
@@ -221,11 +249,17 @@ def _round_trips(raw: Any, n: int = 15) -> dict[str, float]:
 
 def _worker_times(raw: Any, served: str) -> dict[str, float]:
     """Where the engine spent the load of ``served`` (lorasync's worker: the stage file read and the
-    tensors mapped, then vLLM's ``LoRAModel`` built), seconds; nothing for a load from files."""
+    tensors mapped, then vLLM's ``LoRAModel`` built, and the whole add around them), seconds;
+    nothing for a load from files."""
     answer = raw.post("/collective_rpc", json={"method": "lorasync_load_timings", "args": []})
     results = answer.json().get("results") if answer.status_code == 200 else None
     mine = [t for t in results[0] if t.get("name") == served] if isinstance(results, list) and results and isinstance(results[0], list) else []
-    return {"worker_stage": mine[-1]["stage_s"], "worker_build": mine[-1]["build_s"]} if mine else {}
+    if not mine:
+        return {}
+    out = {"worker_stage": mine[-1]["stage_s"], "worker_build": mine[-1]["build_s"]}
+    if mine[-1].get("add_s") is not None:  # the worker's whole add: build, registration, slot write
+        out["worker_add"] = mine[-1]["add_s"]
+    return out
 
 
 def _next_adapter(model: Any) -> Any:
