@@ -14,6 +14,7 @@ Ground floor: imports only the standard library, torch, numpy and :mod:`lorasync
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import math
@@ -142,30 +143,46 @@ class BufferViews(dict):  # type: ignore[type-arg]
     """The name → tensor dict :func:`apply_views` returns, which also remembers the data section
     and the plan it was cut from, so that :meth:`copy_to` copies every tensor with one copy of the
     section instead of one per tensor (an engine worker copies each staged adapter this way on
-    every build: 504 tensors for Qwen3-8B). Any change to the dict forgets the section: the
-    tensors are then no longer known to be its views, and :meth:`copy_to` answers None.
+    every build: 504 tensors for Qwen3-8B).
+
+    :meth:`copy_to` answers None (copy the tensors one by one) unless the copy of the section is
+    exactly a copy of each tensor as the dict holds it now, sharing no memory between entries:
+
+    * the plan cuts every entry from the section (no entry it had to copy, being misaligned) and
+      no two entries overlap (:func:`_disjoint`, once per plan);
+    * the dict was not changed through its methods (each forgets the section), and every value is
+      still the view it was cut as: the same data pointer, shape, strides and dtype as when cut
+      (a value replaced through ``dict``'s own methods, or re-pointed with ``.data =`` or
+      ``set_``, no longer is);
+    * pickled, it is a plain dict (the unpickled tensors are not views of anything).
     """
 
-    __slots__ = ("flat", "plan")
+    __slots__ = ("flat", "plan", "_cut")
 
     def __init__(self, items: Any, flat: torch.Tensor | None = None, plan: ViewPlan | None = None) -> None:
         super().__init__(items)
         self.flat, self.plan = flat, plan
+        self._cut = _fingerprint(self) if flat is not None and plan is not None and not plan.copies and _disjoint(plan) else None
 
     def copy_to(self, *, pin_memory: bool = False) -> dict[str, torch.Tensor] | None:
-        """A copy of every tensor, in this dict's order, sharing no memory with them: one copy of
-        the section (in page-locked host memory with ``pin_memory``, for a section on the host)
-        cut the same way; None once the dict was changed (copy the tensors one by one then)."""
-        if self.flat is None or self.plan is None:
+        """A copy of every tensor, in this dict's order, sharing no memory with them or with each
+        other: one copy of the section (in page-locked host memory with ``pin_memory``, for a
+        section on the host) cut the same way; None where that would not be such a copy (the
+        class docstring)."""
+        flat, plan = self.flat, self.plan
+        if flat is None or plan is None or self._cut is None or _fingerprint(self) != self._cut:
             return None
-        if pin_memory and self.flat.device.type == "cpu":
-            copy = torch.empty(self.flat.shape, dtype=self.flat.dtype, pin_memory=True).copy_(self.flat)
+        if pin_memory and flat.device.type == "cpu":
+            copy = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True).copy_(flat)
         else:
-            copy = self.flat.clone()
-        return dict(apply_views(copy, self.plan))
+            copy = flat.clone()
+        return dict(apply_views(copy, plan))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (dict, (dict(self),))
 
     def _changed(self) -> None:
-        self.flat = self.plan = None
+        self.flat = self.plan = self._cut = None
 
     def __setitem__(self, key: Any, value: Any) -> None:
         self._changed()
@@ -199,6 +216,21 @@ class BufferViews(dict):  # type: ignore[type-arg]
         if key not in self:
             self._changed()
         return super().setdefault(key, default)
+
+
+def _fingerprint(tensors: Mapping[str, torch.Tensor]) -> tuple[Any, ...]:
+    """What each entry is: its key, and where and how its tensor looks into memory."""
+    return tuple((k, t.data_ptr(), t.shape, t.stride(), t.dtype) for k, t in dict.items(tensors))  # type: ignore[arg-type]
+
+
+@functools.lru_cache(maxsize=64)
+def _disjoint(view_plan: ViewPlan) -> bool:
+    """No two entries of ``view_plan`` share a byte (a writer that stores one tensor's bytes once
+    for two names would otherwise give two copies that alias each other). The entries of a group
+    lie back to back by construction (:func:`group_entries`): only groups and copies can overlap."""
+    spans = sorted([(g.begin, g.nbytes) for g in view_plan.groups] + [(begin, nbytes) for _, _, _, begin, nbytes in view_plan.copies])
+    spans = [s for s in spans if s[1] > 0]
+    return all(a[0] + a[1] <= b[0] for a, b in zip(spans, spans[1:]))
 
 
 def apply_views(flat: torch.Tensor, view_plan: ViewPlan) -> BufferViews:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lorasync.engines.vllm._build import fold_scaling, owned_copy, parsed_names
+from lorasync.engines.vllm._build import fold_scaling, owned_copy
 from lorasync.wire.cuda_ipc import _header_plan
 from lorasync.wire.d2h import gather_into
 from lorasync.wire.layout import plan
@@ -81,61 +81,6 @@ def test_one_buffer_is_copied_whole_until_the_dict_changes() -> None:
         assert all(torch.equal(owned_copy(fresh, None)[k], t) for k, t in fresh.items()), name
 
 
-def test_the_name_memo_answers_what_vllms_parse_answers() -> None:
-    """parsed_names memoises vLLM's name parse for one build: the same answers (errors not
-    memoised), restored afterwards, and a mapper whose repr is not its content is not memoised."""
-    import dataclasses
-
-    calls: list[tuple[str, bool]] = []
-
-    def parse_fine_tuned_lora_name(name: str, weights_mapper: object = None) -> tuple[str, bool]:
-        calls.append((name, weights_mapper is not None))
-        if name.endswith("bad"):
-            raise ValueError(f"{name} is unsupported LoRA weight")
-        prefix = weights_mapper.prefix if weights_mapper is not None else ""  # type: ignore[attr-defined]
-        return prefix + name.rsplit(".", 2)[0], name.endswith("lora_A.weight")
-
-    scope = {"parse_fine_tuned_lora_name": parse_fine_tuned_lora_name}
-
-    class LoRAModel:
-        @classmethod
-        def from_lora_tensors(cls, names: list[str], mapper: object) -> list[object]:
-            return [scope["parse_fine_tuned_lora_name"](n, mapper) for n in names] + [scope["parse_fine_tuned_lora_name"](n) for n in names]
-
-    # Its globals are a private scope (as vLLM's module is to it), not this test module's.
-    func = LoRAModel.from_lora_tensors.__func__
-    LoRAModel.from_lora_tensors = classmethod(type(func)(func.__code__, scope, func.__name__, func.__defaults__, func.__closure__))  # type: ignore[method-assign]
-
-    @dataclasses.dataclass
-    class Mapper:
-        prefix: str
-
-    names = ["m.layers.0.q.lora_A.weight", "m.layers.0.q.lora_B.weight"]
-    memos: dict = {}
-    parsed = []
-    for mapper in (Mapper("x."), Mapper("x."), Mapper("y.")):  # equal mappers share a memo
-        calls.clear()
-        with parsed_names(LoRAModel, mapper, memos):
-            got = LoRAModel.from_lora_tensors(names, mapper)
-        assert got == [(mapper.prefix + n.rsplit(".", 2)[0], n.endswith("lora_A.weight")) for n in names] + [(n.rsplit(".", 2)[0], n.endswith("lora_A.weight")) for n in names]
-        assert scope["parse_fine_tuned_lora_name"] is parse_fine_tuned_lora_name  # restored
-        parsed.append(list(calls))
-    every = [(n, True) for n in names] + [(n, False) for n in names]
-    assert parsed == [every, [], every]  # vLLM's parse ran once per name and mapper
-    with pytest.raises(ValueError, match="unsupported"), parsed_names(LoRAModel, Mapper("x."), memos):
-        LoRAModel.from_lora_tensors(["m.bad"], Mapper("x."))
-    assert scope["parse_fine_tuned_lora_name"] is parse_fine_tuned_lora_name
-
-    class Opaque:  # repr names the object, not its content: never memoised
-        prefix = "z."
-
-    calls.clear()
-    for _ in range(2):
-        with parsed_names(LoRAModel, Opaque(), memos):
-            LoRAModel.from_lora_tensors(names[:1], Opaque())
-    assert len(calls) == 4
-
-
 def test_owned_copy_handles_tensors_that_are_not_one_run() -> None:
     base = torch.arange(64, dtype=torch.float32)
     tensors = {
@@ -185,3 +130,67 @@ def test_fold_scaling_leaves_a_scale_it_cannot_match_to_vllm(monkeypatch: pytest
     assert fold_scaling(loras) == 1
     assert loras["layers.0.q_proj"].scaling == 0.5 and torch.equal(loras["layers.0.q_proj"].lora_b, b)  # vLLM's optimize scales it
     assert loras["layers.0.k_proj"].scaling == 1 and torch.equal(loras["layers.0.k_proj"].lora_b, b * 2.0)
+
+
+# -- from the outside attack on the one-buffer copy (each was a failing repro) ------------------
+
+
+def _bypasses() -> list[tuple[str, object]]:
+    seven = torch.full((8, 32), 7.0)
+    return [
+        ("dict.__setitem__", lambda bv, k: dict.__setitem__(bv, k, seven.clone())),
+        ("dict.update", lambda bv, k: dict.update(bv, {k: seven.clone()})),
+        ("dict.pop then dict.setdefault", lambda bv, k: (dict.pop(bv, k), dict.setdefault(bv, k, seven.clone()))),
+        (".data =", lambda bv, k: setattr(bv[k], "data", seven.clone())),
+        ("set_", lambda bv, k: bv[k].set_(seven.clone())),
+    ]
+
+
+@pytest.mark.parametrize("how", [name for name, _ in _bypasses()])
+def test_a_value_changed_behind_the_dicts_back_is_copied_as_it_is_now(how: str) -> None:
+    """A value replaced through dict's own methods, or re-pointed with .data= / set_, is no
+    longer a view of the buffer: its copy is what the dict holds now, never the stale buffer."""
+    staged = _staged(torch.float32, cut=True)
+    key = next(iter(staged))
+    dict(_bypasses())[how](staged, key)  # type: ignore[operator]
+    copies = owned_copy(staged, None)
+    assert list(copies) == list(staged)
+    assert all(torch.equal(copies[k], t) for k, t in staged.items()), how
+
+
+def test_entries_sharing_bytes_get_copies_of_their_own() -> None:
+    """Two names over the same bytes (a writer storing tied factors once): each copy owns its
+    memory, so vLLM scaling one lora_B in place cannot scale the other a second time."""
+    from lorasync.wire.views import views
+
+    b = torch.arange(16, dtype=torch.float32).view(4, 4)
+    flat = b.reshape(-1).view(torch.uint8).clone()
+    header = {name: {"dtype": "F32", "shape": [4, 4], "data_offsets": [0, 64]} for name in ("m.q.lora_B.weight", "m.k.lora_B.weight")}
+    staged = views(flat, header)
+    copies = owned_copy(staged, None)
+    copies["m.q.lora_B.weight"].mul_(2)
+    assert torch.equal(copies["m.k.lora_B.weight"], b)
+
+
+def test_a_misaligned_entry_edited_in_place_is_copied_as_edited() -> None:
+    """Entries the plan had to copy out (misaligned) are not views of the buffer: an in-place edit
+    of one shows in its copy."""
+    from lorasync.wire.views import views
+
+    flat = torch.zeros(36, dtype=torch.uint8)
+    flat[2:18] = torch.arange(4, dtype=torch.float32).view(torch.uint8)
+    flat[20:36] = torch.arange(4, 8, dtype=torch.float32).view(torch.uint8)
+    header = {"odd": {"dtype": "F32", "shape": [4], "data_offsets": [2, 18]}, "even": {"dtype": "F32", "shape": [4], "data_offsets": [20, 36]}}
+    staged = views(flat, header)
+    staged["odd"].mul_(10)
+    copies = owned_copy(staged, None)
+    assert all(torch.equal(copies[k], t) for k, t in staged.items())
+
+
+def test_a_pickled_one_buffer_dict_comes_back_a_plain_dict() -> None:
+    import pickle
+
+    staged = _staged(torch.float32, cut=True)
+    back = pickle.loads(pickle.dumps(staged))
+    assert type(back) is dict and list(back) == list(staged)
+    assert all(torch.equal(back[k], t) for k, t in staged.items())

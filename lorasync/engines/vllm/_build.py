@@ -16,22 +16,17 @@ For tensors lorasync staged, which lie side by side in one buffer, the worker in
   with the scale cast once), which ``tests/engines/test_vllm_build.py`` checks bit for bit.
 
 Written here rather than taken from vLLM because vLLM has no batched form of either step; the
-rest of the build (module names, packing, validation) stays vLLM's own. Of that rest, the name
-parse (``parse_fine_tuned_lora_name``, 1.5 calls per factor, with the model's weights mapper) is
-a pure function of the key and the mapper, and every step publishes the same keys: for the
-duration of lorasync's build it is answered from a memo (:func:`parsed_names`).
+rest of the build (module names, packing, validation) stays vLLM's own.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-__all__ = ["fold_scaling", "owned_copy", "parsed_names"]
+__all__ = ["fold_scaling", "owned_copy"]
 
 
 def owned_copy(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
@@ -148,41 +143,3 @@ def _batched_is_exact(device: torch.device, dtype: torch.dtype, scale: float) ->
         _EXACT[key] = bool(torch.equal(want, got[0]))
     return _EXACT[key]
 
-
-_MEMO_NAMES = 1 << 16  # names kept per mapper: a few adapters' worth of keys
-
-
-@contextlib.contextmanager
-def parsed_names(lora_model_cls: Any, mapper: Any, memos: dict[str, dict[tuple[str, bool], Any]]) -> Iterator[None]:
-    """For the duration, vLLM's ``LoRAModel.from_lora_tensors`` (of ``lora_model_cls``) parses each
-    tensor name once per ``mapper``: its ``parse_fine_tuned_lora_name`` is answered from
-    ``memos`` (the caller keeps them, per LoRA manager), computed by vLLM's own function on a miss.
-
-    Only a mapper that is None or a dataclass (vLLM's ``WeightsMapper``), whose ``repr`` is its
-    whole content, is memoised; any other is parsed as before. Runs in the engine core's thread,
-    where vLLM builds adapters one at a time (its worker manager says so): the memo answers what
-    the function would, for the mapper of this build.
-    """
-    func = getattr(getattr(lora_model_cls, "from_lora_tensors", None), "__func__", None)
-    scope = getattr(func, "__globals__", None)
-    original = scope.get("parse_fine_tuned_lora_name") if isinstance(scope, dict) else None
-    if original is None or getattr(original, "lorasync_memo", False) or not (mapper is None or dataclasses.is_dataclass(mapper)):
-        yield
-        return
-    memo = memos.setdefault(repr(mapper), {})
-    if len(memo) > _MEMO_NAMES:
-        memo.clear()
-
-    def parse(name: str, weights_mapper: Any = None) -> Any:
-        key = (name, weights_mapper is not None)
-        hit = memo.get(key)
-        if hit is None:
-            hit = memo[key] = original(name, weights_mapper)
-        return hit
-
-    parse.lorasync_memo = True  # type: ignore[attr-defined]
-    scope["parse_fine_tuned_lora_name"] = parse
-    try:
-        yield
-    finally:
-        scope["parse_fine_tuned_lora_name"] = original

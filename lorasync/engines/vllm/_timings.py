@@ -10,7 +10,9 @@ core. Kept in the worker process, the last 64 loads.
 Where the add's own time goes, for the benchmark: with ``LORASYNC_PROFILE_ADDS=N:PATH`` in the
 engine's environment, the worker runs its first ``N`` timed adds under ``cProfile`` and then
 writes their summary (by cumulative and by own time) to ``PATH.<pid>.txt``. Off by default;
-the benchmark profiles only warm-up rounds, whose times it does not report.
+the benchmark profiles only warm-up rounds, whose times it does not report. A diagnostic only: a
+value it cannot read, a profiler that cannot start or a summary that cannot be written is logged
+once and never fails an add.
 
 Ground floor: imports only the standard library; it runs inside engine processes.
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 import collections
 import cProfile
 import io
+import logging
 import os
 import pstats
 import threading
@@ -57,10 +60,10 @@ def time_adds(manager: Any, prefix: str) -> None:
         profile = _profiler() if ours else None
         start = time.perf_counter()
         try:
-            if profile is None:
-                return original(request)
-            return profile.runcall(original, request)
+            return original(request)
         finally:
+            if profile is not None:
+                profile.disable()
             if ours:
                 _note_add(str(request.lora_name), time.perf_counter() - start)
             if profile is not None:
@@ -80,24 +83,47 @@ def _note_add(name: str, add_s: float) -> None:
 
 
 _PROFILE: dict[str, Any] = {"left": None, "profile": None, "path": None}
+_log = logging.getLogger(__name__)
 
 
 def _profiler() -> cProfile.Profile | None:
-    """The profile of the next add while ``LORASYNC_PROFILE_ADDS`` asks for more (module docstring)."""
+    """The profile, enabled, for the next add while ``LORASYNC_PROFILE_ADDS`` asks for more
+    (module docstring). Never raises: a value it cannot read, or a profiler that cannot start
+    (another one is active), means no profile; the add itself runs as always."""
     with _LOCK:
         if _PROFILE["left"] is None:
             count, _, path = os.environ.get("LORASYNC_PROFILE_ADDS", "").partition(":")
-            _PROFILE.update(left=int(count) if count.isdigit() and path else 0, path=path, profile=cProfile.Profile())
-        return _PROFILE["profile"] if _PROFILE["left"] > 0 else None
+            left = int(count) if count.isascii() and count.isdigit() and path else 0
+            _PROFILE.update(left=left, path=path, profile=cProfile.Profile() if left else None)
+        profile = _PROFILE["profile"] if _PROFILE["left"] > 0 else None
+    if profile is None:
+        return None
+    try:
+        profile.enable()
+    except ValueError as exc:  # another profiler is active in this process (Python 3.12+)
+        _stop(f"cannot profile the worker's adds: {exc}")
+        return None
+    return profile
 
 
 def _profiled(profile: cProfile.Profile) -> None:
+    """Count one profiled add; after the last one, write the summary (never raises: a summary
+    that cannot be written is logged, and profiling stops)."""
     with _LOCK:
         _PROFILE["left"] -= 1
         if _PROFILE["left"] > 0:
             return
-    text = io.StringIO()
-    for order in ("cumulative", "tottime"):
-        pstats.Stats(profile, stream=text).sort_stats(order).print_stats(45)
-    with open(f"{_PROFILE['path']}.{os.getpid()}.txt", "w") as f:
-        f.write(text.getvalue())
+    try:
+        text = io.StringIO()
+        for order in ("cumulative", "tottime"):
+            pstats.Stats(profile, stream=text).sort_stats(order).print_stats(45)
+        with open(f"{_PROFILE['path']}.{os.getpid()}.txt", "w") as f:
+            f.write(text.getvalue())
+    except Exception as exc:  # noqa: BLE001 - a diagnostic must never fail the engine's add
+        _stop(f"cannot write the profile of the worker's adds: {exc!r}")
+
+
+def _stop(why: str) -> None:
+    with _LOCK:
+        _PROFILE["left"] = 0
+    _log.warning("lorasync: %s; LORASYNC_PROFILE_ADDS is ignored from now on", why)
