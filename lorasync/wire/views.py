@@ -159,10 +159,16 @@ class BufferViews(dict):  # type: ignore[type-arg]
 
     __slots__ = ("flat", "plan", "_cut")
 
-    def __init__(self, items: Any, flat: torch.Tensor | None = None, plan: ViewPlan | None = None) -> None:
+    def __init__(self, items: Any = ()) -> None:
         super().__init__(items)
+        self.flat = self.plan = self._cut = None
+
+    def _cut_from(self, flat: torch.Tensor, plan: ViewPlan) -> BufferViews:
+        """Remember that these values are ``plan``'s views of ``flat`` (only :func:`apply_views`,
+        which just cut them, says so)."""
         self.flat, self.plan = flat, plan
-        self._cut = _fingerprint(self) if flat is not None and plan is not None and not plan.copies and _disjoint(plan) else None
+        self._cut = _fingerprint(flat, self) if not plan.copies and _disjoint(plan) else None
+        return self
 
     def copy_to(self, *, pin_memory: bool = False) -> dict[str, torch.Tensor] | None:
         """A copy of every tensor, in this dict's order, sharing no memory with them or with each
@@ -170,7 +176,7 @@ class BufferViews(dict):  # type: ignore[type-arg]
         section on the host) cut the same way; None where that would not be such a copy (the
         class docstring)."""
         flat, plan = self.flat, self.plan
-        if flat is None or plan is None or self._cut is None or _fingerprint(self) != self._cut:
+        if flat is None or plan is None or self._cut is None or _fingerprint(flat, self) != self._cut:
             return None
         if pin_memory and flat.device.type == "cpu":
             copy = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True).copy_(flat)
@@ -218,9 +224,11 @@ class BufferViews(dict):  # type: ignore[type-arg]
         return super().setdefault(key, default)
 
 
-def _fingerprint(tensors: Mapping[str, torch.Tensor]) -> tuple[Any, ...]:
-    """What each entry is: its key, and where and how its tensor looks into memory."""
-    return tuple((k, t.data_ptr(), t.shape, t.stride(), t.dtype) for k, t in dict.items(tensors))  # type: ignore[arg-type]
+def _fingerprint(flat: torch.Tensor, tensors: Mapping[str, torch.Tensor]) -> tuple[Any, ...]:
+    """What the section is, and what each entry is: its key, and where and how its tensor looks
+    into memory (a lazily negated or conjugated view, or another tensor class, reads otherwise)."""
+    section = (id(flat), flat.data_ptr(), flat.numel(), flat.dtype, flat.is_neg(), flat.is_conj(), type(flat))
+    return (section, *((k, t.data_ptr(), t.shape, t.stride(), t.dtype, t.is_neg(), t.is_conj(), type(t)) for k, t in dict.items(tensors)))  # type: ignore[arg-type]
 
 
 @functools.lru_cache(maxsize=64)
@@ -245,7 +253,7 @@ def apply_views(flat: torch.Tensor, view_plan: ViewPlan) -> BufferViews:
     out = dict(zip(itertools.chain.from_iterable(g.keys for g in view_plan.groups), cut_groups(flat, view_plan.groups)))
     for key, dtype, shape, begin, nbytes in view_plan.copies:
         out[key] = flat[begin : begin + nbytes].clone().view(dtype).view(shape)
-    return BufferViews(out, flat, view_plan)
+    return BufferViews(out)._cut_from(flat, view_plan)
 
 
 def views(flat: torch.Tensor, header: Mapping[str, Any]) -> dict[str, torch.Tensor]:

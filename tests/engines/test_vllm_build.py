@@ -194,3 +194,36 @@ def test_a_pickled_one_buffer_dict_comes_back_a_plain_dict() -> None:
     back = pickle.loads(pickle.dumps(staged))
     assert type(back) is dict and list(back) == list(staged)
     assert all(torch.equal(back[k], t) for k, t in staged.items())
+
+
+# -- from the second outside attack ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["dict.__setitem__ of a negated view", ".data = a negated view", "the buffer re-pointed", "the buffer replaced", "a subclass view"])
+def test_what_the_dict_reads_now_is_what_is_copied(how: str) -> None:
+    """Lazily negated views, a section re-pointed or replaced under the dict, and a value of
+    another tensor class: the copy reads what the dict reads now."""
+    staged = _staged(torch.float32, cut=True)
+    key = next(iter(staged))
+
+    class Marked(torch.Tensor):
+        pass
+
+    if how == "dict.__setitem__ of a negated view":
+        dict.__setitem__(staged, key, torch._neg_view(staged[key]))
+    elif how == ".data = a negated view":
+        staged[key].data = torch._neg_view(staged[key].detach().clone())
+    elif how == "the buffer re-pointed":
+        staged.flat.set_(torch.zeros_like(staged.flat))  # type: ignore[union-attr]
+    elif how == "the buffer replaced":
+        staged.flat = torch.zeros_like(staged.flat)  # type: ignore[arg-type]
+    else:
+        dict.__setitem__(staged, key, staged[key].as_subclass(Marked))
+    copies = owned_copy(staged, None)
+    assert all(torch.equal(copies[k], t.resolve_neg()) for k, t in staged.items()), how
+
+
+def test_only_apply_views_says_a_dict_is_cut_from_a_buffer() -> None:
+    staged = _staged(torch.float32, cut=True)
+    mine = BufferViews({k: v.clone() for k, v in staged.items()})
+    assert mine.flat is None and mine.copy_to() is None

@@ -80,3 +80,23 @@ def test_the_profile_is_written_after_n_adds_and_an_add_error_is_the_adds_own(mo
     written = list(tmp_path.iterdir())
     assert len(written) == 1 and "add_adapter" in written[0].read_text()
     assert [t["add_s"] is not None for t in _timings.load_timings()] == [True, True]
+
+
+def test_a_count_too_long_for_int_profiles_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LORASYNC_PROFILE_ADDS", "9" * 5000 + ":/tmp/p")
+    manager = _Manager()
+    _timings.time_adds(manager, IPC_PREFIX)
+    assert manager.add_adapter(_request(0)) is True and manager.add_adapter(_request(1)) is True
+
+
+def test_a_profiler_an_audit_hook_refuses_never_fails_the_add(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Python 3.11 and earlier raise sys.setprofile's audit event in enable(): a hook may refuse."""
+    monkeypatch.setenv("LORASYNC_PROFILE_ADDS", f"2:{tmp_path / 'profile'}")
+
+    def refuse(self: cProfile.Profile) -> None:
+        raise RuntimeError("sys.setprofile refused by an audit hook")
+
+    monkeypatch.setattr(cProfile.Profile, "enable", refuse)
+    manager = _Manager()
+    _timings.time_adds(manager, IPC_PREFIX)
+    assert manager.add_adapter(_request(0)) is True and manager.add_adapter(_request(1)) is True

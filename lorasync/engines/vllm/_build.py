@@ -54,7 +54,8 @@ def owned_copy(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype | None) -
     out: dict[str, torch.Tensor] = {}
     runs: list[list[tuple[str, torch.Tensor]]] = []
     ordered = sorted(
-        ((name, t) for name, t in tensors.items() if t.is_contiguous() and t.numel()),
+        # A lazily negated or conjugated view reads otherwise than its storage: copied on its own.
+        ((name, t) for name, t in tensors.items() if t.is_contiguous() and t.numel() and not t.is_neg() and not t.is_conj()),
         key=lambda item: (item[1].untyped_storage().data_ptr(), item[1].storage_offset()),
     )
     for name, t in ordered:

@@ -89,21 +89,21 @@ _log = logging.getLogger(__name__)
 def _profiler() -> cProfile.Profile | None:
     """The profile, enabled, for the next add while ``LORASYNC_PROFILE_ADDS`` asks for more
     (module docstring). Never raises: a value it cannot read, or a profiler that cannot start
-    (another one is active), means no profile; the add itself runs as always."""
-    with _LOCK:
-        if _PROFILE["left"] is None:
-            count, _, path = os.environ.get("LORASYNC_PROFILE_ADDS", "").partition(":")
-            left = int(count) if count.isascii() and count.isdigit() and path else 0
-            _PROFILE.update(left=left, path=path, profile=cProfile.Profile() if left else None)
-        profile = _PROFILE["profile"] if _PROFILE["left"] > 0 else None
-    if profile is None:
-        return None
+    (another one is active, an audit hook refuses it), means no profile; the add runs as always."""
     try:
-        profile.enable()
-    except ValueError as exc:  # another profiler is active in this process (Python 3.12+)
-        _stop(f"cannot profile the worker's adds: {exc}")
+        with _LOCK:
+            if _PROFILE["left"] is None:
+                _PROFILE.update(left=0)  # until the value is read: a value that cannot be read is no profile
+                count, _, path = os.environ.get("LORASYNC_PROFILE_ADDS", "").partition(":")
+                left = int(count) if count.isascii() and count.isdigit() and len(count) < 10 and path else 0
+                _PROFILE.update(left=left, path=path, profile=cProfile.Profile() if left else None)
+            profile = _PROFILE["profile"] if _PROFILE["left"] > 0 else None
+        if profile is not None:
+            profile.enable()
+        return profile
+    except Exception as exc:  # noqa: BLE001 - a diagnostic must never fail the engine's add
+        _stop(f"cannot profile the worker's adds: {exc!r}")
         return None
-    return profile
 
 
 def _profiled(profile: cProfile.Profile) -> None:
