@@ -149,11 +149,7 @@ class LoopThread:
                 thread.start()
                 self._loop, self._thread = loop, thread
             # Scheduled under the guard: stop() queues the loop's end after every accepted call.
-            future: list[concurrent.futures.Future[T]] = []
-            ended = threading.Event()
-            future.append(asyncio.run_coroutine_threadsafe(_answered(coro, future, ended), self._loop))
-            future[0].lorasync_ended = ended  # type: ignore[attr-defined]
-            return future[0]
+            return _schedule(self._loop, coro)
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run ``coro`` on the loop and return its result (re-raising its exception).
@@ -161,7 +157,7 @@ class LoopThread:
         Raises:
             PublisherClosedError: the loop was stopped before or while it ran.
         """
-        future = self.submit(coro)
+        future = self.submit(coro)  # a Ctrl-C inside it is handled there, as below
         try:
             return future.result()
         except concurrent.futures.CancelledError:
@@ -224,6 +220,59 @@ class LoopThread:
         self._guard = threading.Lock()
         self._loop = self._thread = None
         self._stopped = True
+
+
+def _schedule(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+    """``asyncio.run_coroutine_threadsafe``, with the caller's future made before the loop is woken.
+
+    A Ctrl-C can land while the loop is being woken (``call_soon_threadsafe`` writes to its
+    self-pipe). ``run_coroutine_threadsafe`` made its future inside that call: the caller got the
+    ``KeyboardInterrupt`` and no future, while the work, already queued, started and ran on with
+    nothing to cancel it. Here the future exists first, and whichever side claims the coroutine
+    first decides its fate: the loop's callback starts it, or the interrupted caller closes it
+    unstarted (the callback, queued or not, then does nothing). Started work is cancelled through
+    the future and given ``INTERRUPTED_WAIT_S`` to handle the cancel, as :meth:`LoopThread.run` does.
+    """
+    future: concurrent.futures.Future[T] = concurrent.futures.Future()
+    ended = threading.Event()
+    claim = threading.Lock()  # taken once: by the callback that starts the work, or by its caller
+    future.lorasync_ended = ended  # type: ignore[attr-defined]
+
+    def start() -> None:
+        if not claim.acquire(blocking=False):
+            return  # the caller was interrupted first and closed the coroutine
+        task = loop.create_task(_answered(coro, [future], ended))
+
+        def settle(task: asyncio.Task[T]) -> None:
+            if task.cancelled():
+                future.cancel()  # as run_coroutine_threadsafe's: the caller sees CancelledError
+                return
+            if not future.set_running_or_notify_cancel():
+                return  # cancelled by its caller; _answered logged what the work raised
+            if task.exception() is not None:
+                future.set_exception(task.exception())
+            else:
+                future.set_result(task.result())
+
+        def cancel(done: concurrent.futures.Future[T]) -> None:
+            if done.cancelled() and not loop.is_closed():
+                with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: the task ended with it
+                    loop.call_soon_threadsafe(task.cancel)
+
+        task.add_done_callback(settle)
+        future.add_done_callback(cancel)
+
+    try:
+        loop.call_soon_threadsafe(start)
+    except BaseException:
+        future.cancel()
+        if claim.acquire(blocking=False):
+            coro.close()  # never started, and now never will be
+            ended.set()
+        else:
+            ended.wait(INTERRUPTED_WAIT_S)  # started: it handles the cancel first
+        raise
+    return future
 
 
 def _serve(loop: asyncio.AbstractEventLoop) -> None:
