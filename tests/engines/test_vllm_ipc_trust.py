@@ -71,6 +71,9 @@ def test_http_ipc_adapters_rebuilt_after_eviction_serve_peft_tokens(vllm_server:
             assert {t["name"] for t in timed} == set(names) and all(t["stage_s"] >= 0 and t["build_s"] > 0 for t in timed), timed
             # and the worker's whole add around each build (registration, the slot write) is timed too
             assert all(t["add_s"] is not None and t["add_s"] >= t["stage_s"] + t["build_s"] for t in timed), timed
+            # Every build but the layout's first came from the layout vLLM built before (_template),
+            # and each served PEFT's tokens above: the rebuilds of evicted adapters included.
+            assert sum(t["templated"] for t in timed) >= len(timed) - 1, timed
         finally:
             for name in names:
                 if name in engine.list_adapters():

@@ -45,6 +45,10 @@ SHAPES: dict[str, dict[str, Any]] = {
                num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False),
     "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=64, vocab_size=512, tie_word_embeddings=True),
+    # The 8B shape's 36 layers (504 factors at all-linear) at tiny widths: the host-side work of a
+    # publish and of the worker's add, which scales with the tensor count, rehearsed on the CPU.
+    "tiny36": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=36, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=64, vocab_size=512, tie_word_embeddings=False),
 }  # fmt: skip
 TEST_SHAPE = "tiny" if REHEARSAL else "0.6b"
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

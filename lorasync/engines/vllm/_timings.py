@@ -1,6 +1,7 @@
 """Where a worker's loads of staged adapters spend their time (the GPU benchmark reads it).
 
-Each load of an adapter lorasync staged is recorded as ``{"name", "stage_s", "build_s", "add_s"}``:
+Each load of an adapter lorasync staged is recorded as ``{"name", "stage_s", "build_s", "add_s",
+"templated"}``:
 the stage file read and the tensors mapped or copied; vLLM's ``LoRAModel`` built from them and
 checked; and the whole of the worker's add (``WorkerLoRAManager.add_adapter``: the load, vLLM's
 registration, the LRU's eviction and the activation, which is lorasync's slot write). What the
@@ -42,10 +43,11 @@ def load_timings() -> list[dict[str, Any]]:
         return [dict(t) for t in _TIMES]
 
 
-def record_build(name: str, stage_s: float, build_s: float) -> None:
-    """Record one load of a staged adapter (its ``add_s`` is filled in when the add returns)."""
+def record_build(name: str, stage_s: float, build_s: float, *, templated: bool = False) -> None:
+    """Record one load of a staged adapter (its ``add_s`` is filled in when the add returns);
+    ``templated``: built from a layout built before (``_template``), not by vLLM's parse."""
     with _LOCK:
-        _TIMES.append({"name": name, "stage_s": stage_s, "build_s": build_s, "add_s": None})
+        _TIMES.append({"name": name, "stage_s": stage_s, "build_s": build_s, "add_s": None, "templated": templated})
 
 
 def time_adds(manager: Any, prefix: str) -> None:

@@ -50,6 +50,7 @@ import torch
 from lorasync.engines.vllm._build import fold_scaling, owned_copy
 from lorasync.engines.vllm._protocol import CONFIG_KEY, CUDA_UPDATES, IPC_PREFIX, NO_STAGE, PING, CudaStage, ShmStage, check_token, read_stage_file
 from lorasync.engines.vllm._slots import install_slot_write, slot_writes
+from lorasync.engines.vllm._template import build_from_template, layout_key, remember, template_builds
 from lorasync.engines.vllm._timings import load_timings, record_build, time_adds
 from lorasync.errors import ConfigError, CudaIpcUnavailableError
 from lorasync.wire.cuda_ipc import import_tensors
@@ -236,8 +237,9 @@ def _install_loader(worker: Any) -> None:
         start = time.perf_counter()
         _stage_from_file(worker, token)
         staged = time.perf_counter()
+        templated = template_builds()
         lora = _load_staged(self, lora_request, token)
-        record_build(lora_request.lora_name, staged - start, time.perf_counter() - staged)
+        record_build(lora_request.lora_name, staged - start, time.perf_counter() - staged, templated=template_builds() > templated)
         return lora
 
     manager._load_adapter = types.MethodType(_load_adapter, manager)
@@ -318,21 +320,28 @@ def _load_staged(manager: Any, lora_request: Any, token: str) -> Any:
         )
     dtype = manager.lora_config.lora_dtype
     tensors = _local_experts(tensors, getattr(adapter_manager, "moe_ep_load_spec", None))
-    lora = manager._lora_model_cls.from_lora_tensors(
-        lora_model_id=lora_request.lora_int_id,
-        # A copy per build: the scale is folded into lora_B in place, and vLLM rebuilds an evicted
-        # adapter from this same staged snapshot, which must stay as staged. The copy stays where
-        # the staged tensors are (host memory, or the worker's GPU), one kernel per run (_build).
-        tensors=owned_copy(tensors, dtype if isinstance(dtype, torch.dtype) else None),
-        peft_helper=peft_helper,
-        # Where the staged copy is: page-locked host memory (vLLM's LoRA cache), or the worker's
-        # GPU for a colocated engine (on_gpu), where vLLM's slots copy it from device memory.
-        device=str(next(iter(tensors.values())).device) if tensors else "cpu",
-        dtype=manager.lora_config.lora_dtype,
-        model_vocab_size=manager.vocab_size,
-        weights_mapper=mapper,
-        skip_prefixes=skip_prefixes,
-    )
+    # A copy per build: the scale is folded into lora_B in place, and vLLM rebuilds an evicted
+    # adapter from this same staged snapshot, which must stay as staged. The copy stays where
+    # the staged tensors are (host memory, or the worker's GPU), one kernel per run (_build).
+    copies = owned_copy(tensors, dtype if isinstance(dtype, torch.dtype) else None)
+    # Where the staged copy is: page-locked host memory (vLLM's LoRA cache), or the worker's
+    # GPU for a colocated engine (on_gpu), where vLLM's slots copy it from device memory.
+    device = str(next(iter(tensors.values())).device) if tensors else "cpu"
+    key = layout_key(copies, config, device, dtype)
+    # The layout vLLM built before (every step of a run): its build again, without the name parse.
+    lora = build_from_template(adapter_manager, key, lora_request.lora_int_id, copies)
+    if lora is None:
+        lora = manager._lora_model_cls.from_lora_tensors(
+            lora_model_id=lora_request.lora_int_id,
+            tensors=copies,
+            peft_helper=peft_helper,
+            device=device,
+            dtype=manager.lora_config.lora_dtype,
+            model_vocab_size=manager.vocab_size,
+            weights_mapper=mapper,
+            skip_prefixes=skip_prefixes,
+        )
+        remember(adapter_manager, key, lora, copies)  # before the fold and the packing change it
     # As vLLM's loader does: the request says whether the factors are PEFT's fused 3-D layout.
     lora.is_3d_lora_weight = bool(getattr(lora_request, "is_3d_lora_weight", False))
     lora._lorasync_staged = True  # activations of it may take the slot write
