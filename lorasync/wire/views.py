@@ -170,19 +170,45 @@ class BufferViews(dict):  # type: ignore[type-arg]
         self._cut = _fingerprint(flat, self) if not plan.copies and _disjoint(plan) else None
         return self
 
-    def copy_to(self, *, pin_memory: bool = False) -> dict[str, torch.Tensor] | None:
+    def copy_to(self, *, pin_memory: bool | None = None, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor] | None:
         """A copy of every tensor, in this dict's order, sharing no memory with them or with each
-        other: one copy of the section (in page-locked host memory with ``pin_memory``, for a
-        section on the host) cut the same way; None where that would not be such a copy (the
-        class docstring)."""
+        other: one copy of the section cut the same way; None where that would not be such a
+        copy (the class docstring).
+
+        Args:
+            pin_memory: for a section on the host, copy into page-locked memory; None: as the
+                section is.
+            dtype: cast every tensor to it (None: keep each one's own). Where every tensor has one
+                other dtype, the section is cast whole, one kernel, and cut at the offsets the
+                cast moved them to: each value is cast as ``tensor.to(dtype)`` casts it (a cast is
+                elementwise; the padding between tensors is cast too, and never read). Tensors of
+                several dtypes: None.
+        """
         flat, plan = self.flat, self.plan
         if flat is None or plan is None or self._cut is None or _fingerprint(flat, self) != self._cut:
             return None
-        if pin_memory and flat.device.type == "cpu":
-            copy = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True).copy_(flat)
+        pinned = flat.device.type == "cpu" and (flat.is_pinned() if pin_memory is None else pin_memory)
+        source = {g.dtype for g in plan.groups}
+        if dtype is None or source <= {dtype}:
+            section, cut, dtype = flat, plan, None  # no cast: the bytes as they are
+        elif len(source) == 1:
+            (kind,) = source
+            recast = _recast(plan, kind, dtype)
+            if recast is None or recast[0] * ITEMSIZE[kind] > flat.numel():
+                return None
+            count, cut = recast
+            try:
+                section = flat[: count * ITEMSIZE[kind]].view(kind)
+            except RuntimeError:
+                return None  # a section that does not start at a whole element: cast tensor by tensor
         else:
-            copy = flat.clone()
-        return dict(apply_views(copy, plan))
+            return None
+        target = dtype or section.dtype
+        if pinned:
+            copy = torch.empty(section.shape, dtype=target, pin_memory=True).copy_(section)
+        else:
+            copy = section.to(dtype=target, copy=True)
+        return dict(apply_views(copy.view(torch.uint8), cut))
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (dict, (dict(self),))
@@ -229,6 +255,19 @@ def _fingerprint(flat: torch.Tensor, tensors: Mapping[str, torch.Tensor]) -> tup
     into memory (a lazily negated or conjugated view, or another tensor class, reads otherwise)."""
     section = (id(flat), flat.data_ptr(), flat.numel(), flat.dtype, flat.is_neg(), flat.is_conj(), type(flat))
     return (section, *((k, t.data_ptr(), t.shape, t.stride(), t.dtype, t.is_neg(), t.is_conj(), type(t)) for k, t in dict.items(tensors)))  # type: ignore[arg-type]
+
+
+@functools.lru_cache(maxsize=64)
+def _recast(view_plan: ViewPlan, source: torch.dtype, target: torch.dtype) -> tuple[int, ViewPlan] | None:
+    """``view_plan`` for its section cast whole from ``source`` to ``target``: how many ``source``
+    elements the cast covers, and the plan with every offset moved to the cast's bytes; None
+    where an entry does not start at a whole element (cast those tensor by tensor)."""
+    inner, outer = ITEMSIZE[source], ITEMSIZE[target]
+    if view_plan.copies or any(g.begin % inner or g.nbytes % inner or g.dtype != source for g in view_plan.groups):
+        return None
+    count = -(-view_plan.end // inner)
+    groups = tuple(g._replace(begin=g.begin // inner * outer, nbytes=g.nbytes // inner * outer, dtype=target) for g in view_plan.groups)
+    return count, ViewPlan(end=count * outer, groups=groups, copies=())
 
 
 @functools.lru_cache(maxsize=64)

@@ -227,3 +227,34 @@ def test_only_apply_views_says_a_dict_is_cut_from_a_buffer() -> None:
     staged = _staged(torch.float32, cut=True)
     mine = BufferViews({k: v.clone() for k, v in staged.items()})
     assert mine.flat is None and mine.copy_to() is None
+
+
+@pytest.mark.parametrize(("source", "target"), [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32), (torch.float32, torch.float16)])
+def test_a_one_buffer_stage_is_cast_whole_as_each_tensor_would_be(source: torch.dtype, target: torch.dtype) -> None:
+    """An fp32 adapter (what PEFT trains) staged for a bf16 LoRA dtype: one cast of the whole
+    buffer, cut at the moved offsets, equal to casting each tensor (values around rounding ties,
+    subnormals, infinities and NaN included)."""
+    staged = _staged(source, cut=True)
+    edge = torch.tensor([1.0 + 2.0**-8, 1.0 + 3 * 2.0**-9, 1e-40, 3.4e38, float("inf"), float("-inf"), float("nan"), -0.0], dtype=torch.float64)
+    first = next(iter(staged))
+    staged[first].view(-1)[: edge.numel()].copy_(edge.to(source))  # in place: still the buffer's view
+    copies = owned_copy(staged, target)
+    assert len({t.untyped_storage().data_ptr() for t in copies.values()}) == 1  # one cast, one buffer
+    for key, t in staged.items():
+        want = t.to(target)
+        assert copies[key].dtype == target and copies[key].shape == t.shape
+        bits = {2: torch.int16, 4: torch.int32}[target.itemsize]
+        assert torch.equal(copies[key].view(bits), want.view(bits)), key  # bit for bit (NaN too)
+    copies[first].mul_(0)
+    assert not torch.equal(staged[first], copies[first])  # nothing shared with the staged snapshot
+
+
+def test_a_stage_of_several_dtypes_is_cast_tensor_by_tensor() -> None:
+    tensors = {"a": torch.randn(4, 8), "b": torch.randn(8, 4).to(torch.bfloat16), "c": torch.randn(4, 8)}
+    layout = plan(tensors, {})
+    flat = torch.empty(layout.nbytes, dtype=torch.uint8)
+    gather_into(flat, layout, list(tensors.values()), chunk_bytes=layout.nbytes)
+    staged = apply_views(flat, _header_plan(layout.header)[0])
+    assert staged.copy_to(dtype=torch.float16) is None
+    copies = owned_copy(staged, torch.float16)
+    assert all(torch.equal(copies[k], t.to(torch.float16)) for k, t in staged.items())

@@ -8,8 +8,8 @@ For tensors lorasync staged, which lie side by side in one buffer, the worker in
 
 * copies (and casts) each run of adjacent same-dtype tensors with one kernel
   (:func:`owned_copy`): exactly the values of a per-tensor ``.to(dtype, copy=True)``, because a
-  cast is elementwise; tensors a CUDA IPC stage cut from one buffer, already in the LoRA dtype,
-  are copied as that one buffer and cut again (no Python per tensor);
+  cast is elementwise; tensors a CUDA IPC stage cut from one buffer are copied (and cast) as that
+  one buffer and cut again (no Python per tensor);
 * folds the scale into every ``lora_B`` with one ``_foreach_mul_`` per distinct scale
   (:func:`fold_scaling`) and marks the modules scaled, so vLLM's ``optimize`` has nothing left to
   do: the same elementwise ``b * s`` in the tensor's own dtype (both compute in the op-math type
@@ -43,14 +43,13 @@ def owned_copy(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype | None) -
     Returns:
         name → copy, in the order of ``tensors``.
     """
-    if dtype is None or all(t.dtype == dtype for t in tensors.values()):
-        # Tensors a CUDA IPC stage cut from one buffer (wire.views.BufferViews, unchanged since):
-        # one copy of that buffer cut the same way, with no per-tensor Python at all.
-        copy_to = getattr(tensors, "copy_to", None)
-        pinned = bool(tensors) and next(iter(tensors.values())).device.type == "cpu" and next(iter(tensors.values())).is_pinned()
-        whole = copy_to(pin_memory=pinned) if callable(copy_to) else None
-        if whole is not None and whole.keys() == tensors.keys():
-            return {name: whole[name] for name in tensors}
+    # Tensors a CUDA IPC stage cut from one buffer (wire.views.BufferViews, unchanged since): one
+    # copy of that buffer, cast whole where it must be, cut the same way, with no per-tensor
+    # Python at all (page-locked where the buffer is).
+    copy_to = getattr(tensors, "copy_to", None)
+    whole = copy_to(dtype=dtype) if callable(copy_to) else None
+    if whole is not None:
+        return {name: whole[name] for name in tensors}
     out: dict[str, torch.Tensor] = {}
     runs: list[list[tuple[str, torch.Tensor]]] = []
     ordered = sorted(
@@ -143,4 +142,3 @@ def _batched_is_exact(device: torch.device, dtype: torch.dtype, scale: float) ->
         torch._foreach_mul_(got, _scalar(scale))
         _EXACT[key] = bool(torch.equal(want, got[0]))
     return _EXACT[key]
-
