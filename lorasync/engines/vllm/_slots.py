@@ -85,7 +85,7 @@ class _Program:
 
     def __init__(self, refs: list[tuple[Any, int, str, int | None, bool, bool]], shapes: list[Any], resets: list[Any], pointers: tuple[int, ...]) -> None:
         self.refs, self.shapes, self.resets, self.pointers = refs, shapes, resets, pointers
-        self.by_index: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        self.by_index: dict[int, tuple[list[torch.Tensor], list[tuple[list[int], list[torch.Tensor]]]]] = {}
 
     def factors(self, lora: Any) -> list[torch.Tensor] | None:
         """This version's factors in the program's order; None if they are not of its layout."""
@@ -124,12 +124,18 @@ class _Program:
                 if has_b:
                     shape = next(shapes)
                     dst.append(slot_b[0, : shape[0], : shape[1]])
-            targets = self.by_index[index] = (zero, dst)
-        zero, dst = targets
+            # Contiguous targets (A, and B at the full rank) apart: one foreach call over tensors
+            # that are all dense takes the fused kernels; a single strided one in the list sends
+            # the whole list down the per-tensor path (a kernel launch per factor).
+            dense = [i for i, t in enumerate(dst) if t.is_contiguous()]
+            strided = [i for i, t in enumerate(dst) if not t.is_contiguous()]
+            passes = [(part, [dst[i] for i in part]) for part in (dense, strided) if part]
+            targets = self.by_index[index] = (zero, passes)
+        zero, passes = targets
         if zero:
             torch._foreach_zero_(zero)
-        if dst:
-            torch._foreach_copy_(dst, factors)
+        for part, into in passes:
+            torch._foreach_copy_(into, [factors[i] for i in part])
         for module in self.resets:
             module.reset_lora(index)
 
