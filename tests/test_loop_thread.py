@@ -181,3 +181,109 @@ def test_ctrl_c_while_waking_the_loop_cancels_work_that_started(monkeypatch) -> 
         assert handled.is_set(), "Ctrl-C returned before the started work had handled its cancel"
     finally:
         thread.stop()
+
+
+def test_work_given_up_on_before_the_loop_took_it_never_starts() -> None:
+    # Outside attack (23:40 session): the future's cancel() answered True, and the work ran anyway.
+    thread = LoopThread("lorasync-test-loop")
+    gate, started = threading.Event(), threading.Event()
+
+    async def busy() -> None:
+        gate.wait(10)  # holds the loop thread before it takes the next call
+
+    async def work() -> None:
+        started.set()
+
+    try:
+        thread.submit(busy())
+        time.sleep(0.1)
+        future = thread.submit(work())
+        assert future.cancel()
+        gate.set()
+        thread.run(asyncio.sleep(0.05))
+        assert not started.is_set(), "work whose future was cancelled before it started ran anyway"
+        assert future.lorasync_ended.is_set()
+    finally:
+        gate.set()
+        thread.stop()
+
+
+def test_ctrl_c_as_submit_returns_still_cancels_the_work(monkeypatch) -> None:
+    # The interrupt lands after the loop was woken, before run() holds the future.
+    from lorasync.runtime import _loop
+
+    thread = LoopThread("lorasync-test-loop")
+    started, handled = threading.Event(), threading.Event()
+    real = _loop._schedule
+
+    async def work() -> None:
+        started.set()
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            handled.set()
+            raise
+
+    def interrupted(*args: Any) -> Any:
+        real(*args)
+        started.wait(10)
+        raise _Interrupted
+
+    monkeypatch.setattr(_loop, "_schedule", interrupted)
+    try:
+        with pytest.raises(_Interrupted):
+            thread.run(work())
+        assert handled.is_set(), "the work ran on uncancelled"
+    finally:
+        thread.stop()
+
+
+def test_a_call_accepted_before_stop_is_closed_and_ended_not_dropped() -> None:
+    import warnings
+
+    thread = LoopThread("lorasync-test-loop")
+    gate = threading.Event()
+
+    async def busy() -> None:
+        gate.wait(10)
+
+    async def work() -> int:
+        return 1
+
+    thread.submit(busy())
+    time.sleep(0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        future = thread.submit(work())
+        stopper = threading.Thread(target=thread.stop)
+        stopper.start()
+        time.sleep(0.1)
+        gate.set()
+        stopper.join(10)
+        gc.collect()
+    assert future.lorasync_ended.is_set() and future.done()
+
+
+def test_work_raising_system_exit_reaches_its_caller_and_keeps_the_loop() -> None:
+    thread = LoopThread("lorasync-test-loop")
+
+    async def work() -> None:
+        raise SystemExit(3)
+
+    answer: dict[str, Any] = {}
+
+    def call() -> None:
+        try:
+            thread.run(work())
+        except BaseException as exc:  # noqa: BLE001 - what reached the caller
+            answer["raised"] = exc
+
+    try:
+        caller = threading.Thread(target=call, daemon=True)
+        caller.start()
+        caller.join(10)
+        assert not caller.is_alive(), "run() hangs when the work raises SystemExit"
+        assert isinstance(answer.get("raised"), SystemExit) and answer["raised"].code == 3
+        assert thread.run(asyncio.sleep(0, result=5)) == 5  # the loop serves the next call
+    finally:
+        thread.stop()

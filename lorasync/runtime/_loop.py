@@ -130,8 +130,9 @@ class LoopThread:
         """:meth:`submit` would take work (it was not stopped)."""
         return not self._stopped
 
-    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        """Schedule ``coro`` on the loop (starting it); returns its future.
+    def submit(self, coro: Coroutine[Any, Any, T], *, _into: list[concurrent.futures.Future[T]] | None = None) -> concurrent.futures.Future[T]:
+        """Schedule ``coro`` on the loop (starting it); returns its future (also appended to
+        ``_into`` as soon as it exists, before the loop is woken: :meth:`run` reads it there).
 
         Raises:
             PublisherClosedError: the loop thread was stopped.
@@ -149,7 +150,7 @@ class LoopThread:
                 thread.start()
                 self._loop, self._thread = loop, thread
             # Scheduled under the guard: stop() queues the loop's end after every accepted call.
-            return _schedule(self._loop, coro)
+            return _schedule(self._loop, coro, _into)
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run ``coro`` on the loop and return its result (re-raising its exception).
@@ -157,20 +158,22 @@ class LoopThread:
         Raises:
             PublisherClosedError: the loop was stopped before or while it ran.
         """
-        future = self.submit(coro)  # a Ctrl-C inside it is handled there, as below
+        made: list[concurrent.futures.Future[T]] = []  # the future, from the moment it exists
         try:
-            return future.result()
+            return self.submit(coro, _into=made).result()
         except concurrent.futures.CancelledError:
             if not self._stopped:
                 raise
             raise PublisherClosedError("the publisher was closed while this call waited; make a new Publisher to publish again") from None
         except BaseException:
-            # KeyboardInterrupt in the caller: cancel the coroutine so it releases what it holds,
-            # and let it handle that cancel (bounded; a second Ctrl-C ends the wait) before the
-            # caller's next line runs: a publish then has recorded what it left (lease() refuses a
-            # version it cancelled before every engine recorded it), instead of racing it.
-            future.cancel()
-            future.lorasync_ended.wait(INTERRUPTED_WAIT_S)  # type: ignore[attr-defined]
+            # KeyboardInterrupt in the caller, wherever it landed (waking the loop, returning
+            # from submit, waiting): cancel the coroutine so it releases what it holds, and let
+            # it handle that cancel (bounded; a second Ctrl-C ends the wait) before the caller's
+            # next line runs: a publish then has recorded what it left (lease() refuses a version
+            # it cancelled before every engine recorded it), instead of racing it.
+            if made:
+                made[0].cancel()
+                made[0].lorasync_ended.wait(INTERRUPTED_WAIT_S)  # type: ignore[attr-defined]
             raise
 
     async def arun(self, coro: Coroutine[Any, Any, T]) -> T:
@@ -222,7 +225,7 @@ class LoopThread:
         self._stopped = True
 
 
-def _schedule(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+def _schedule(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, T], into: list[concurrent.futures.Future[T]] | None = None) -> concurrent.futures.Future[T]:
     """``asyncio.run_coroutine_threadsafe``, with the caller's future made before the loop is woken.
 
     A Ctrl-C can land while the loop is being woken (``call_soon_threadsafe`` writes to its
@@ -231,26 +234,38 @@ def _schedule(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, T]) -> 
     nothing to cancel it. Here the future exists first, and whichever side claims the coroutine
     first decides its fate: the loop's callback starts it, or the interrupted caller closes it
     unstarted (the callback, queued or not, then does nothing). Started work is cancelled through
-    the future and given ``INTERRUPTED_WAIT_S`` to handle the cancel, as :meth:`LoopThread.run` does.
+    the future (the caller, :meth:`LoopThread.run`, gives it ``INTERRUPTED_WAIT_S`` to handle the
+    cancel); work whose future was cancelled before the loop took it never starts.
     """
     future: concurrent.futures.Future[T] = concurrent.futures.Future()
     ended = threading.Event()
     claim = threading.Lock()  # taken once: by the callback that starts the work, or by its caller
     future.lorasync_ended = ended  # type: ignore[attr-defined]
+    if into is not None:
+        into.append(future)
 
     def start() -> None:
         if not claim.acquire(blocking=False):
             return  # the caller was interrupted first and closed the coroutine
+        if future.cancelled():  # given up on before the loop took it (Ctrl-C, a cancelled arun)
+            coro.close()
+            ended.set()
+            return
         task = loop.create_task(_answered(coro, [future], ended))
 
         def settle(task: asyncio.Task[T]) -> None:
+            ended.set()  # also for a task cancelled before its first step (_answered never ran)
             if task.cancelled():
+                coro.close()  # unstarted: closed, never "never awaited"; finished: nothing to do
                 future.cancel()  # as run_coroutine_threadsafe's: the caller sees CancelledError
                 return
+            error = task.exception()
             if not future.set_running_or_notify_cancel():
                 return  # cancelled by its caller; _answered logged what the work raised
-            if task.exception() is not None:
-                future.set_exception(task.exception())
+            if isinstance(error, _Escaped):
+                future.set_exception(error.escaped)
+            elif error is not None:
+                future.set_exception(error)
             else:
                 future.set_result(task.result())
 
@@ -265,14 +280,22 @@ def _schedule(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, T]) -> 
     try:
         loop.call_soon_threadsafe(start)
     except BaseException:
-        future.cancel()
+        future.cancel()  # started: the cancel reaches the work; not yet: it never starts
         if claim.acquire(blocking=False):
             coro.close()  # never started, and now never will be
             ended.set()
-        else:
-            ended.wait(INTERRUPTED_WAIT_S)  # started: it handles the cancel first
         raise
     return future
+
+
+class _Escaped(Exception):
+    """A ``BaseException`` the work raised that is no cancel (``SystemExit``, ``KeyboardInterrupt``
+    raised by hand): carried to the caller as what it is, instead of escaping the task and
+    stopping the loop under every other call (whose callers would then wait forever)."""
+
+    def __init__(self, escaped: BaseException) -> None:
+        super().__init__(repr(escaped))
+        self.escaped = escaped
 
 
 def _serve(loop: asyncio.AbstractEventLoop) -> None:
@@ -315,6 +338,10 @@ async def _answered(coro: Coroutine[Any, Any, T], future: list[concurrent.future
             raise
         log.warning("a lorasync call its caller gave up on failed afterwards: %s: %s", type(exc).__name__, exc)
         raise asyncio.CancelledError from exc
+    except (asyncio.CancelledError, GeneratorExit):
+        raise
+    except BaseException as exc:  # noqa: BLE001 - handed to the caller whole (_Escaped)
+        raise _Escaped(exc) from None
     finally:
         ended.set()
 

@@ -181,8 +181,10 @@ class BufferViews(dict):  # type: ignore[type-arg]
             dtype: cast every tensor to it (None: keep each one's own). Where every tensor has one
                 other dtype, the section is cast whole, one kernel, and cut at the offsets the
                 cast moved them to: each value is cast as ``tensor.to(dtype)`` casts it (a cast is
-                elementwise; the padding between tensors is cast too, and never read). Tensors of
-                several dtypes: None.
+                elementwise; the padding between tensors is cast too, and never read; a NaN stays
+                a NaN, though torch's own cast keeps or drops a NaN's sign and payload bits
+                depending on the tensor's length, so those bits may differ). Tensors of several
+                dtypes: None.
         """
         flat, plan = self.flat, self.plan
         if flat is None or plan is None or self._cut is None or _fingerprint(flat, self) != self._cut:
@@ -194,11 +196,11 @@ class BufferViews(dict):  # type: ignore[type-arg]
         elif len(source) == 1:
             (kind,) = source
             recast = _recast(plan, kind, dtype)
-            if recast is None or recast[0] * ITEMSIZE[kind] > flat.numel():
+            if recast is None or recast[0] * kind.itemsize > flat.numel():
                 return None
             count, cut = recast
             try:
-                section = flat[: count * ITEMSIZE[kind]].view(kind)
+                section = flat[: count * kind.itemsize].view(kind)
             except RuntimeError:
                 return None  # a section that does not start at a whole element: cast tensor by tensor
         else:
@@ -262,7 +264,7 @@ def _recast(view_plan: ViewPlan, source: torch.dtype, target: torch.dtype) -> tu
     """``view_plan`` for its section cast whole from ``source`` to ``target``: how many ``source``
     elements the cast covers, and the plan with every offset moved to the cast's bytes; None
     where an entry does not start at a whole element (cast those tensor by tensor)."""
-    inner, outer = ITEMSIZE[source], ITEMSIZE[target]
+    inner, outer = source.itemsize, target.itemsize  # any torch dtype: float8 and complex too
     if view_plan.copies or any(g.begin % inner or g.nbytes % inner or g.dtype != source for g in view_plan.groups):
         return None
     count = -(-view_plan.end // inner)

@@ -258,3 +258,13 @@ def test_a_stage_of_several_dtypes_is_cast_tensor_by_tensor() -> None:
     assert staged.copy_to(dtype=torch.float16) is None
     copies = owned_copy(staged, torch.float16)
     assert all(torch.equal(copies[k], t.to(torch.float16)) for k, t in staged.items())
+
+
+@pytest.mark.parametrize("target", [torch.float8_e4m3fn, torch.complex64, torch.float64])
+def test_a_cast_to_any_dtype_copies_exactly_or_falls_back(target: torch.dtype) -> None:
+    # Outside attack (23:40 session): a dtype outside the wire's table raised KeyError.
+    staged = _staged(torch.float32, cut=True)
+    copies = owned_copy(staged, target)
+    for key, t in staged.items():
+        want = t.to(target)
+        assert copies[key].dtype == target and torch.equal(copies[key].view(torch.uint8), want.view(torch.uint8)), key

@@ -115,3 +115,14 @@ def test_a_program_is_not_used_for_what_it_was_not_learned_on() -> None:
     want = _reference(manager, lora, 1)
     assert _write(manager, lora, 1)
     assert all(all(torch.equal(x, y) for x, y in zip(t, want[n])) for n, t in _state(manager).items())
+
+
+def test_an_adapter_with_a_module_more_than_the_layout_is_learned_again() -> None:
+    # Outside attack (23:40 session): a program learned on an adapter leaving a layer alone wrote
+    # that layer as zeros for an adapter of the same layout name that has it.
+    manager = _manager(rank=8)
+    assert _write(manager, _adapter(0, 8, layout=9, skip="layers.1.o_proj"), 0)
+    full = _adapter(1, 8, layout=9)
+    want = _reference(manager, full, 0)
+    assert _write(manager, full, 0)
+    assert all(all(torch.equal(x, y) for x, y in zip(t, want[n])) for n, t in _state(manager).items())
