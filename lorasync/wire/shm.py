@@ -36,7 +36,7 @@ import torch
 
 from lorasync.errors import StorageError, WireFormatError
 from lorasync.wire.layout import plan
-from lorasync.wire.views import read
+from lorasync.wire.views import read, read_section
 
 __all__ = ["SegmentScope", "ShmSegment", "attach", "create_segment", "read_segment", "shared", "sharing", "write_segment"]
 
@@ -189,8 +189,12 @@ def attach(name: str) -> shared_memory.SharedMemory:
             resource_tracker.register = register
 
 
-def read_segment(name: str, nbytes: int | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def read_segment(name: str, nbytes: int | None = None, *, one_buffer: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Attach to segment ``name`` and copy its tensors out (the producer may then unlink it).
+
+    Args:
+        one_buffer: copy the data section out whole and return the tensors as views of that one
+            copy (:func:`~lorasync.wire.views.read_section`), instead of one copy per tensor.
 
     Returns:
         ``(tensors, metadata)``.
@@ -204,7 +208,7 @@ def read_segment(name: str, nbytes: int | None = None) -> tuple[dict[str, torch.
     except (FileNotFoundError, ValueError) as exc:
         raise StorageError(f"shared-memory segment {name} does not exist: {exc}; the producer released it or died, publish again") from exc
     try:
-        return read(shm.buf, nbytes, what=f"shared-memory segment {name}")
+        return (read_section if one_buffer else read)(shm.buf, nbytes, what=f"shared-memory segment {name}")
     finally:
         shm.close()
 

@@ -40,6 +40,7 @@ __all__ = [
     "plan_views",
     "raw_bytes",
     "read",
+    "read_section",
     "views",
 ]
 
@@ -369,6 +370,27 @@ def read(buf: Any, nbytes: int | None = None, *, what: str = "buffer") -> tuple[
             raw_bytes(data)[:] = np.frombuffer(buf, dtype=np.uint8, count=end - begin, offset=start + begin)
         out[key] = data
     return out, metadata
+
+
+def read_section(buf: Any, nbytes: int | None = None, *, what: str = "buffer") -> tuple[BufferViews, dict[str, str]]:
+    """:func:`read`, with the whole data section copied out in one copy and the tensors cut from
+    it as views (:class:`BufferViews`): for a reader that copies them all again at once (an
+    engine worker's build: :meth:`BufferViews.copy_to`), instead of one copy per tensor.
+
+    Raises:
+        WireFormatError: a malformed or truncated buffer (bounds are checked before any copy).
+    """
+    header, metadata, start, size = parse_header(buf, nbytes, what=what)
+    try:
+        view_plan = plan_views(header)
+    except WireFormatError as exc:
+        raise WireFormatError(f"{what}: {exc}") from exc
+    if start + view_plan.end > size:
+        raise WireFormatError(f"{what} is truncated: its header needs {view_plan.end} data bytes, {size - start} are there")
+    flat = torch.empty(view_plan.end, dtype=torch.uint8)
+    if view_plan.end:
+        flat.numpy()[:] = np.frombuffer(buf, dtype=np.uint8, count=view_plan.end, offset=start)
+    return apply_views(flat, view_plan), metadata  # in data order
 
 
 def raw_bytes(tensor: torch.Tensor) -> Any:

@@ -268,3 +268,35 @@ def test_a_cast_to_any_dtype_copies_exactly_or_falls_back(target: torch.dtype) -
     for key, t in staged.items():
         want = t.to(target)
         assert copies[key].dtype == target and torch.equal(copies[key].view(torch.uint8), want.view(torch.uint8)), key
+
+
+@pytest.mark.parametrize("target", [torch.float32, torch.bfloat16, None])
+def test_a_shared_memory_stage_read_as_one_buffer_is_copied_and_cast_whole(target: torch.dtype | None) -> None:
+    """The worker reads a shared-memory stage as one copy of its data (vLLM CPU: the cast of a
+    bf16 adapter to fp32 was one kernel per tensor); each build copies it whole, exactly."""
+    tensors = _staged(torch.bfloat16)
+    segment = write_segment(tensors, {"k": "v"})
+    try:
+        staged, metadata = read_segment(segment.name, segment.nbytes, one_buffer=True)
+    finally:
+        segment.release()
+    assert metadata == {"k": "v"} and isinstance(staged, BufferViews) and set(staged) == set(tensors)
+    assert all(torch.equal(staged[k], t) for k, t in tensors.items())
+    copies = owned_copy(staged, target)
+    assert len({t.untyped_storage().data_ptr() for t in copies.values()}) == 1
+    for key, t in tensors.items():
+        assert torch.equal(copies[key], t.to(target or t.dtype)) and copies[key].dtype == (target or t.dtype), key
+    copies[key].add_(1)
+    assert torch.equal(staged[key], tensors[key])  # the staged snapshot is untouched
+
+
+@pytest.mark.parametrize("one_buffer", [False, True])
+def test_a_truncated_shared_memory_stage_is_refused_either_way(one_buffer: bool) -> None:
+    from lorasync.errors import WireFormatError
+
+    segment = write_segment(_staged(torch.float32), {})
+    try:
+        with pytest.raises(WireFormatError):
+            read_segment(segment.name, segment.nbytes - 7, one_buffer=one_buffer)
+    finally:
+        segment.release()

@@ -83,7 +83,9 @@ class LoraSyncWorkerExtension:
         """
         spec = ShmStage.from_json(spec_json)
         token = check_token(spec.token)
-        tensors, metadata = read_segment(spec.shm, spec.nbytes)
+        # One copy of the segment's data, cut into views: each build then copies (and casts) it
+        # whole (_build.owned_copy), not tensor by tensor.
+        tensors, metadata = read_segment(spec.shm, spec.nbytes, one_buffer=True)
         return _stage(self, token, tensors, metadata)
 
     def lorasync_stage_adapter_cuda(self, spec_json: str) -> dict[str, Any]:
