@@ -17,6 +17,17 @@ from lorasync.errors import EngineUnavailableError
 from lorasync.runtime._loop import LoopThread
 
 
+async def _slow_to_cancel(started: threading.Event, handled: threading.Event, *, handling_s: float = 0.3) -> None:
+    """Work that runs until cancelled, and then takes ``handling_s`` to handle the cancel."""
+    started.set()
+    try:
+        await asyncio.sleep(30)
+    except asyncio.CancelledError:
+        await asyncio.sleep(handling_s)  # the work the cancel must wait for
+        handled.set()
+        raise
+
+
 def test_an_error_raised_after_the_caller_gave_up_is_logged_once_and_never_left_unretrieved(caplog) -> None:
     # The work handles the cancel by finishing what it must (as restore_base() finishes the
     # engine's resume), and that fails: the caller is gone, so nobody receives the error. asyncio
@@ -73,14 +84,8 @@ def test_ctrl_c_in_a_sync_call_returns_once_the_work_handled_its_cancel() -> Non
     thread = LoopThread("lorasync-test-loop")
     started, handled = threading.Event(), threading.Event()
 
-    async def work() -> None:
-        started.set()
-        try:
-            await asyncio.sleep(30)
-        except asyncio.CancelledError:
-            await asyncio.sleep(0.3)  # the work the cancel must wait for
-            handled.set()
-            raise
+    def work() -> Any:
+        return _slow_to_cancel(started, handled)
 
     caller = threading.get_ident()
 
@@ -164,14 +169,8 @@ def test_ctrl_c_while_waking_the_loop_cancels_work_that_started(monkeypatch) -> 
     thread = LoopThread("lorasync-test-loop")
     started, handled = threading.Event(), threading.Event()
 
-    async def work() -> None:
-        started.set()
-        try:
-            await asyncio.sleep(30)
-        except asyncio.CancelledError:
-            await asyncio.sleep(0.3)
-            handled.set()
-            raise
+    def work() -> Any:
+        return _slow_to_cancel(started, handled)
 
     try:
         _interrupt_the_wake_up(thread, monkeypatch, queued=True, then=lambda: started.wait(10))
@@ -216,13 +215,8 @@ def test_ctrl_c_as_submit_returns_still_cancels_the_work(monkeypatch) -> None:
     started, handled = threading.Event(), threading.Event()
     real = _loop._schedule
 
-    async def work() -> None:
-        started.set()
-        try:
-            await asyncio.sleep(30)
-        except asyncio.CancelledError:
-            handled.set()
-            raise
+    def work() -> Any:
+        return _slow_to_cancel(started, handled, handling_s=0)
 
     def interrupted(*args: Any) -> Any:
         real(*args)

@@ -338,6 +338,18 @@ def parse_header(buf: Any, nbytes: int | None = None, *, what: str = "buffer") -
     return header, {str(k): str(v) for k, v in metadata.items()}, 8 + hlen, size
 
 
+def _checked(buf: Any, nbytes: int | None, what: str) -> tuple[dict[str, Any], dict[str, str], int, ViewPlan]:
+    """The header, metadata, data start and view plan of a buffer whose every bound was checked."""
+    header, metadata, start, size = parse_header(buf, nbytes, what=what)
+    try:
+        view_plan = plan_views(header)
+    except WireFormatError as exc:
+        raise WireFormatError(f"{what}: {exc}") from exc
+    if start + view_plan.end > size:
+        raise WireFormatError(f"{what} is truncated: its header needs {view_plan.end} data bytes, {size - start} are there")
+    return header, metadata, start, view_plan
+
+
 def read(buf: Any, nbytes: int | None = None, *, what: str = "buffer") -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Copy the tensors out of a safetensors-layout buffer (any object with the buffer protocol).
 
@@ -352,13 +364,7 @@ def read(buf: Any, nbytes: int | None = None, *, what: str = "buffer") -> tuple[
     Raises:
         WireFormatError: a malformed or truncated buffer (bounds are checked before any copy).
     """
-    header, metadata, start, size = parse_header(buf, nbytes, what=what)
-    try:
-        view_plan = plan_views(header)
-    except WireFormatError as exc:
-        raise WireFormatError(f"{what}: {exc}") from exc
-    if start + view_plan.end > size:
-        raise WireFormatError(f"{what} is truncated: its header needs {view_plan.end} data bytes, {size - start} are there")
+    header, metadata, start, view_plan = _checked(buf, nbytes, what)
     out: dict[str, torch.Tensor] = {}
     for key, info in header.items():
         dtype = FROM_NAME[info["dtype"]]
@@ -380,13 +386,7 @@ def read_section(buf: Any, nbytes: int | None = None, *, what: str = "buffer") -
     Raises:
         WireFormatError: a malformed or truncated buffer (bounds are checked before any copy).
     """
-    header, metadata, start, size = parse_header(buf, nbytes, what=what)
-    try:
-        view_plan = plan_views(header)
-    except WireFormatError as exc:
-        raise WireFormatError(f"{what}: {exc}") from exc
-    if start + view_plan.end > size:
-        raise WireFormatError(f"{what} is truncated: its header needs {view_plan.end} data bytes, {size - start} are there")
+    header, metadata, start, view_plan = _checked(buf, nbytes, what)
     flat = torch.empty(view_plan.end, dtype=torch.uint8)
     if view_plan.end:
         flat.numpy()[:] = np.frombuffer(buf, dtype=np.uint8, count=view_plan.end, offset=start)
