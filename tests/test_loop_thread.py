@@ -281,3 +281,125 @@ def test_work_raising_system_exit_reaches_its_caller_and_keeps_the_loop() -> Non
         assert thread.run(asyncio.sleep(0, result=5)) == 5  # the loop serves the next call
     finally:
         thread.stop()
+
+
+def _answer_of(thread: LoopThread, coro: Any, *, within: float = 10.0) -> Any:
+    """What ``thread.run(coro)`` answers (its value, or what it raised), from another thread;
+    fails the test if it does not answer ``within`` seconds."""
+    answer: dict[str, Any] = {}
+
+    def call() -> None:
+        try:
+            answer["r"] = thread.run(coro)
+        except BaseException as exc:  # noqa: BLE001 - what reached the caller
+            answer["r"] = exc
+
+    caller = threading.Thread(target=call, daemon=True)
+    caller.start()
+    caller.join(within)
+    assert not caller.is_alive(), "run() did not answer"
+    return answer["r"]
+
+
+def test_stop_answers_a_waiting_call_whose_work_outlives_the_unwinding() -> None:
+    # Outside attack (00:00): stop() closed the loop with the task pending; run() waited forever.
+    from lorasync.errors import PublisherClosedError
+    from lorasync.runtime._loop import UNWIND_S
+
+    thread = LoopThread("lorasync-test-loop")
+    started, handled = threading.Event(), threading.Event()
+    waiting: list[Any] = []
+    caller = threading.Thread(target=lambda: waiting.append(_answer_of(thread, _slow_to_cancel(started, handled, handling_s=UNWIND_S + 1.5), within=20)), daemon=True)
+    caller.start()
+    assert started.wait(10)
+    thread.stop()
+    caller.join(20)
+    assert waiting and isinstance(waiting[0], PublisherClosedError), waiting
+
+
+def test_system_exit_in_a_task_the_work_awaits_reaches_the_caller_and_keeps_the_loop() -> None:
+    import sys
+
+    from lorasync.runtime._loop import gather_all
+
+    thread = LoopThread("lorasync-test-loop")
+
+    async def engine_call() -> None:
+        await asyncio.sleep(0)
+        sys.exit(3)  # user code in an engine call
+
+    async def work() -> Any:
+        return await gather_all(engine_call(), asyncio.sleep(0.1))
+
+    try:
+        raised = _answer_of(thread, work())
+        assert isinstance(raised, SystemExit) and raised.code == 3, raised
+        assert _answer_of(thread, asyncio.sleep(0, result=5)) == 5
+    finally:
+        thread.stop()
+
+
+@pytest.mark.parametrize("error", [SystemExit(4), ValueError("late")], ids=["system-exit", "error"])
+def test_what_work_raises_after_its_caller_gave_up_is_logged_once(caplog, error: BaseException) -> None:
+    thread = LoopThread("lorasync-test-loop")
+    started = threading.Event()
+    caplog.set_level(logging.WARNING, logger="lorasync.runtime._loop")
+
+    async def work() -> None:
+        started.set()
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            pass  # finishes what it must, then fails
+        raise error
+
+    try:
+        future = thread.submit(work())
+        assert started.wait(10)
+        future.cancel()
+        assert future.lorasync_ended.wait(10)
+        thread.run(asyncio.sleep(0.05))
+        said = [r for r in caplog.records if "gave up on failed afterwards" in r.getMessage()]
+        assert len(said) == 1 and type(error).__name__ in said[0].getMessage()
+    finally:
+        thread.stop()
+
+
+def test_an_escaped_exit_whose_repr_raises_still_reaches_the_caller() -> None:
+    class Odd(SystemExit):
+        def __repr__(self) -> str:
+            raise ValueError("repr not available")
+
+    thread = LoopThread("lorasync-test-loop")
+
+    async def work() -> None:
+        raise Odd(5)
+
+    try:
+        assert isinstance(_answer_of(thread, work()), Odd)
+    finally:
+        thread.stop()
+
+
+def test_an_error_raised_as_the_caller_gives_up_is_logged(caplog) -> None:
+    # The cancel lands after the work raised, before its answer is settled: said, not lost.
+    caplog.set_level(logging.WARNING, logger="lorasync.runtime._loop")
+    thread = LoopThread("lorasync-test-loop")
+    holder: dict[str, Any] = {}
+    go = threading.Event()
+
+    async def work() -> None:
+        while not go.is_set():
+            await asyncio.sleep(0.01)
+        asyncio.get_running_loop().call_soon(holder["future"].cancel)  # runs before the settling
+        raise RuntimeError("engine refused the load")
+
+    try:
+        holder["future"] = thread.submit(work())
+        go.set()
+        assert holder["future"].lorasync_ended.wait(10)
+        thread.run(asyncio.sleep(0.05))
+        assert holder["future"].cancelled()
+        assert any("engine refused the load" in r.getMessage() for r in caplog.records)
+    finally:
+        thread.stop()

@@ -243,6 +243,9 @@ def _schedule(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, T], int
     future.lorasync_ended = ended  # type: ignore[attr-defined]
     if into is not None:
         into.append(future)
+    outstanding = _OUTSTANDING.setdefault(loop, set())
+    outstanding.add(future)
+    future.add_done_callback(outstanding.discard)
 
     def start() -> None:
         if not claim.acquire(blocking=False):
@@ -261,7 +264,11 @@ def _schedule(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, T], int
                 return
             error = task.exception()
             if not future.set_running_or_notify_cancel():
-                return  # cancelled by its caller; _answered logged what the work raised
+                # Cancelled by its caller, after _answered had looked (it logs what the work
+                # raises once its caller gave up): said here, since no one else will.
+                if error is not None:
+                    _gave_up_on(error.escaped if isinstance(error, _Escaped) else error)
+                return
             if isinstance(error, _Escaped):
                 future.set_exception(error.escaped)
             elif error is not None:
@@ -294,14 +301,31 @@ class _Escaped(Exception):
     stopping the loop under every other call (whose callers would then wait forever)."""
 
     def __init__(self, escaped: BaseException) -> None:
-        super().__init__(repr(escaped))
+        super().__init__(type(escaped).__name__)  # never the escaped one's repr: it may raise
         self.escaped = escaped
+
+
+#: The callers' futures of each loop's calls not answered yet: a loop that ends (stop() does not
+#: wait for work slower than UNWIND_S to handle its cancel) cancels them, so no caller waits on.
+_OUTSTANDING: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, set[concurrent.futures.Future[Any]]] = weakref.WeakKeyDictionary()
+
+
+def _gave_up_on(exc: BaseException) -> None:
+    log.warning("a lorasync call its caller gave up on failed afterwards: %s: %s", type(exc).__name__, exc)
 
 
 def _serve(loop: asyncio.AbstractEventLoop) -> None:
     asyncio.set_event_loop(loop)
     try:
-        loop.run_forever()
+        while True:
+            try:
+                loop.run_forever()
+                break  # stop() or let_go()
+            except (SystemExit, KeyboardInterrupt) as exc:
+                # Raised in a task a call's work awaits (a gather's child): asyncio lets it out of
+                # run_forever, which would end the loop under every call. The task holds it; its
+                # awaiter gets it, and the call's caller with it (_Escaped). The loop serves on.
+                log.warning("a lorasync call's task raised %s on the publisher's loop; it goes to that call's caller", type(exc).__name__)
     finally:
         try:
             left = asyncio.all_tasks(loop)
@@ -317,6 +341,9 @@ def _serve(loop: asyncio.AbstractEventLoop) -> None:
                 pool.shutdown(wait=False)
                 pool.join(UNWIND_S)
         finally:
+            for future in list(_OUTSTANDING.pop(loop, ())):
+                future.cancel()  # its work outlived the unwinding: its caller stops waiting (closed)
+                future.lorasync_ended.set()  # type: ignore[attr-defined]
             loop.close()
 
 
@@ -333,14 +360,14 @@ async def _answered(coro: Coroutine[Any, Any, T], future: list[concurrent.future
     (asyncio would print "Task exception was never retrieved" with its traceback at exit)."""
     try:
         return await coro
-    except Exception as exc:
-        if not (future and future[0].cancelled()):
-            raise
-        log.warning("a lorasync call its caller gave up on failed afterwards: %s: %s", type(exc).__name__, exc)
-        raise asyncio.CancelledError from exc
     except (asyncio.CancelledError, GeneratorExit):
         raise
-    except BaseException as exc:  # noqa: BLE001 - handed to the caller whole (_Escaped)
+    except BaseException as exc:  # noqa: BLE001 - a SystemExit is handed to the caller whole (_Escaped)
+        if future and future[0].cancelled():
+            _gave_up_on(exc)
+            raise asyncio.CancelledError from exc
+        if isinstance(exc, Exception):
+            raise
         raise _Escaped(exc) from None
     finally:
         ended.set()

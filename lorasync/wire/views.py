@@ -131,6 +131,8 @@ def plan_views(header: Mapping[str, Any]) -> ViewPlan:
                 raise ValueError(f"bad offsets {begin}..{end}")
             if not all(type(d) is int and d >= 0 for d in shape):
                 raise ValueError(f"bad shape {list(shape)}")
+            if math.prod(d for d in shape if d) >= 2**62:
+                raise ValueError(f"shape {list(shape)} is larger than any tensor can be")  # torch's numel overflows, even with a 0 in it
             if end - begin != math.prod(shape) * ITEMSIZE[dtype]:
                 raise ValueError(f"offsets {begin}..{end} do not fit shape {list(shape)}")
             items.append((key, dtype, shape, begin, end - begin))

@@ -64,3 +64,18 @@ def test_truncated_or_corrupt_segment_rejected():
             shm.close()
         with pytest.raises(ValueError):
             read_segment(seg.name, seg.nbytes)
+
+
+@pytest.mark.parametrize("shape", [[2**63, 0], [0, 2**63], [2**40, 2**40, 0]])
+@pytest.mark.parametrize("one_buffer", [False, True])
+def test_a_header_declaring_an_impossible_empty_shape_is_a_wire_format_error(shape: list[int], one_buffer: bool) -> None:
+    # Outside attack (00:00): zero bytes, so it passed the size check; torch then overflowed.
+    import json
+    import struct
+
+    from lorasync.errors import WireFormatError
+    from lorasync.wire.views import read, read_section
+
+    header = json.dumps({"w": {"dtype": "F32", "shape": shape, "data_offsets": [0, 0]}}).encode()
+    with pytest.raises(WireFormatError):
+        (read_section if one_buffer else read)(memoryview(struct.pack("<Q", len(header)) + header))
