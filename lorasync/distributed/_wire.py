@@ -24,7 +24,7 @@ from lorasync.adapter._probe import Probe
 from lorasync.publisher._report import EngineResult
 from lorasync.errors import LoraSyncError, PublishError, TransportError
 from lorasync.wire.layout import plan
-from lorasync.wire.views import read
+from lorasync.wire.reading import read
 
 __all__ = [
     "decode_adapter",

@@ -355,7 +355,7 @@ class _Packed:
 
 def _unpack(buffer: np.ndarray, config: AdapterConfig) -> Adapter:
     from lorasync.adapter._adapter import Adapter
-    from lorasync.wire.views import read
+    from lorasync.wire.reading import read
 
     tensors, _ = read(buffer, what="adapter from Ray's object store")
     return Adapter(tensors, config)

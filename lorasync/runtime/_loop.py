@@ -1,7 +1,9 @@
 """The publisher's event-loop machinery: its own loop in a daemon thread for sync callers
 (:class:`LoopThread`); the lock its calls share across loops and threads is
 :mod:`lorasync.runtime._looplock`'s.
-The background phase a publish leaves running is :mod:`lorasync.runtime._background`'s.
+The background phase a publish leaves running is :mod:`lorasync.runtime._background`'s; what a
+sync caller's one call sees when a Ctrl-C, a cancel or the loop's end comes between the call and
+its answer is :mod:`lorasync.runtime._calls`'s.
 
 Blocking engine and file calls run in daemon threads of lorasync's own (:func:`to_thread`,
 :class:`DaemonPool`), never in a thread the interpreter or ``asyncio.run`` joins at its end: a
@@ -34,6 +36,7 @@ from typing import Any, TypeVar
 
 from lorasync.errors import PublisherClosedError
 from lorasync.runtime._pool import DaemonPool, exiting, in_background
+from lorasync.runtime._calls import _OUTSTANDING, INTERRUPTED_WAIT_S, _schedule
 
 log = logging.getLogger(__name__)
 
@@ -225,95 +228,6 @@ class LoopThread:
         self._stopped = True
 
 
-def _schedule(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, T], into: list[concurrent.futures.Future[T]] | None = None) -> concurrent.futures.Future[T]:
-    """``asyncio.run_coroutine_threadsafe``, with the caller's future made before the loop is woken.
-
-    A Ctrl-C can land while the loop is being woken (``call_soon_threadsafe`` writes to its
-    self-pipe). ``run_coroutine_threadsafe`` made its future inside that call: the caller got the
-    ``KeyboardInterrupt`` and no future, while the work, already queued, started and ran on with
-    nothing to cancel it. Here the future exists first, and whichever side claims the coroutine
-    first decides its fate: the loop's callback starts it, or the interrupted caller closes it
-    unstarted (the callback, queued or not, then does nothing). Started work is cancelled through
-    the future (the caller, :meth:`LoopThread.run`, gives it ``INTERRUPTED_WAIT_S`` to handle the
-    cancel); work whose future was cancelled before the loop took it never starts.
-    """
-    future: concurrent.futures.Future[T] = concurrent.futures.Future()
-    ended = threading.Event()
-    claim = threading.Lock()  # taken once: by the callback that starts the work, or by its caller
-    future.lorasync_ended = ended  # type: ignore[attr-defined]
-    if into is not None:
-        into.append(future)
-    outstanding = _OUTSTANDING.setdefault(loop, set())
-    outstanding.add(future)
-    future.add_done_callback(outstanding.discard)
-
-    def start() -> None:
-        if not claim.acquire(blocking=False):
-            return  # the caller was interrupted first and closed the coroutine
-        if future.cancelled():  # given up on before the loop took it (Ctrl-C, a cancelled arun)
-            coro.close()
-            ended.set()
-            return
-        task = loop.create_task(_answered(coro, [future], ended))
-
-        def settle(task: asyncio.Task[T]) -> None:
-            ended.set()  # also for a task cancelled before its first step (_answered never ran)
-            if task.cancelled():
-                coro.close()  # unstarted: closed, never "never awaited"; finished: nothing to do
-                future.cancel()  # as run_coroutine_threadsafe's: the caller sees CancelledError
-                return
-            error = task.exception()
-            if not future.set_running_or_notify_cancel():
-                # Cancelled by its caller, after _answered had looked (it logs what the work
-                # raises once its caller gave up): said here, since no one else will.
-                if error is not None:
-                    _gave_up_on(error.escaped if isinstance(error, _Escaped) else error)
-                return
-            if isinstance(error, _Escaped):
-                future.set_exception(error.escaped)
-            elif error is not None:
-                future.set_exception(error)
-            else:
-                future.set_result(task.result())
-
-        def cancel(done: concurrent.futures.Future[T]) -> None:
-            if done.cancelled() and not loop.is_closed():
-                with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: the task ended with it
-                    loop.call_soon_threadsafe(task.cancel)
-
-        task.add_done_callback(settle)
-        future.add_done_callback(cancel)
-
-    try:
-        loop.call_soon_threadsafe(start)
-    except BaseException:
-        future.cancel()  # started: the cancel reaches the work; not yet: it never starts
-        if claim.acquire(blocking=False):
-            coro.close()  # never started, and now never will be
-            ended.set()
-        raise
-    return future
-
-
-class _Escaped(Exception):
-    """A ``BaseException`` the work raised that is no cancel (``SystemExit``, ``KeyboardInterrupt``
-    raised by hand): carried to the caller as what it is, instead of escaping the task and
-    stopping the loop under every other call (whose callers would then wait forever)."""
-
-    def __init__(self, escaped: BaseException) -> None:
-        super().__init__(type(escaped).__name__)  # never the escaped one's repr: it may raise
-        self.escaped = escaped
-
-
-#: The callers' futures of each loop's calls not answered yet: a loop that ends (stop() does not
-#: wait for work slower than UNWIND_S to handle its cancel) cancels them, so no caller waits on.
-_OUTSTANDING: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, set[concurrent.futures.Future[Any]]] = weakref.WeakKeyDictionary()
-
-
-def _gave_up_on(exc: BaseException) -> None:
-    log.warning("a lorasync call its caller gave up on failed afterwards: %s: %s", type(exc).__name__, exc)
-
-
 def _serve(loop: asyncio.AbstractEventLoop) -> None:
     asyncio.set_event_loop(loop)
     try:
@@ -345,32 +259,6 @@ def _serve(loop: asyncio.AbstractEventLoop) -> None:
                 future.cancel()  # its work outlived the unwinding: its caller stops waiting (closed)
                 future.lorasync_ended.set()  # type: ignore[attr-defined]
             loop.close()
-
-
-
-#: How long a sync call interrupted by Ctrl-C waits for its work to handle the cancel: a publish's
-#: cancel handling is bounded by ``publisher._cancelled.CANCELLED_CALL_WAIT_S`` (5 s), counted from the cancel.
-INTERRUPTED_WAIT_S = 6.0
-
-
-async def _answered(coro: Coroutine[Any, Any, T], future: list[concurrent.futures.Future[T]], ended: threading.Event) -> T:
-    """Run ``coro`` for :meth:`LoopThread.submit`; an error it raises after its caller gave up
-    on it (Ctrl-C in a sync call, a cancelled ``await``: the caller's future was cancelled while
-    the work finished what it must) is logged once here, since no one is left to receive it
-    (asyncio would print "Task exception was never retrieved" with its traceback at exit)."""
-    try:
-        return await coro
-    except (asyncio.CancelledError, GeneratorExit):
-        raise
-    except BaseException as exc:  # noqa: BLE001 - a SystemExit is handed to the caller whole (_Escaped)
-        if future and future[0].cancelled():
-            _gave_up_on(exc)
-            raise asyncio.CancelledError from exc
-        if isinstance(exc, Exception):
-            raise
-        raise _Escaped(exc) from None
-    finally:
-        ended.set()
 
 
 async def finish(awaitable: Awaitable[T], *, bound: float | None = None, cancelled_at: float | None = None) -> T:

@@ -12,8 +12,8 @@ writes, and lorasync reads files safetensors wrote. The verbs:
   the torch.distributed buffer: the bytes lorasync has always written).
 * **write** (:meth:`Layout.write_into` a ``uint8`` buffer, :meth:`Layout.write_file` a file):
   each tensor's memory is copied once, straight from the tensor.
-* **read** and **view** live in :mod:`lorasync.wire.views` (bounds-checked copies out of any
-  buffer; tensors as views into a data section).
+* **read** lives in :mod:`lorasync.wire.reading` (bounds-checked copies out of any buffer) and
+  **view** in :mod:`lorasync.wire.views` (tensors as views into a data section).
 
 Ground floor: imports only the standard library, torch, numpy and :mod:`lorasync.errors`; it
 also runs inside engine processes.

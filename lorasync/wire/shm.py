@@ -36,7 +36,7 @@ import torch
 
 from lorasync.errors import StorageError, WireFormatError
 from lorasync.wire.layout import plan
-from lorasync.wire.views import read, read_section
+from lorasync.wire.reading import read, read_section
 
 __all__ = ["SegmentScope", "ShmSegment", "attach", "create_segment", "read_segment", "shared", "sharing", "write_segment"]
 
@@ -194,7 +194,7 @@ def read_segment(name: str, nbytes: int | None = None, *, one_buffer: bool = Fal
 
     Args:
         one_buffer: copy the data section out whole and return the tensors as views of that one
-            copy (:func:`~lorasync.wire.views.read_section`), instead of one copy per tensor.
+            copy (:func:`~lorasync.wire.reading.read_section`), instead of one copy per tensor.
 
     Returns:
         ``(tensors, metadata)``.

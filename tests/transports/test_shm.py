@@ -74,7 +74,7 @@ def test_a_header_declaring_an_impossible_empty_shape_is_a_wire_format_error(sha
     import struct
 
     from lorasync.errors import WireFormatError
-    from lorasync.wire.views import read, read_section
+    from lorasync.wire.reading import read, read_section
 
     header = json.dumps({"w": {"dtype": "F32", "shape": shape, "data_offsets": [0, 0]}}).encode()
     with pytest.raises(WireFormatError):
